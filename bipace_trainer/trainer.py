@@ -284,6 +284,8 @@ class BiPACETrainer(GRPOTrainer):
         rollout = run_rollouts(
             envs, tasks, self._generate_turn, self.rollout_settings, sync=self._sync, traj_offset=traj_offset
         )
+        # The extra forward pass runs inside the generate callback: report it apart.
+        rollout.seconds["generate"] -= self._hidden_seconds
         rollout.seconds["hidden"] = self._hidden_seconds
         return rollout
 
