@@ -1,0 +1,265 @@
+"""What the bench scripts share: a tiny offline policy, its SFT warm start, a transition memo, result files.
+
+    tokenizer = train_tokenizer("textcraft", rows)          # rows from collect_demonstrations(...)
+    model = tiny_model(tokenizer, hidden_size=64, layers=2)
+    sft_warm_start(model, tokenizer, rows, "outputs/sft", steps=300)
+
+A 2-core CPU can train only a tiny model, so the policy is built here, offline: a
+byte-level BPE tokenizer trained on the env's own demonstration text and a small Qwen2
+built from its config. The env's fixed instruction and the reply-format paragraph are
+added to the tokenizer as single tokens: they are the same in every prompt, carry no
+information, and would otherwise be a third of each prompt's tokens (and of its cost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from bipace_trainer.prompting import build_prompt  # noqa: E402
+from envs.base import StepResult, TaskSpec, TextEnv, make_env, register_env, resolve_env_class  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<|im_start|>", "<|im_end|>", "<pad>"]
+
+
+# ---------------------------------------------------------------------- the tiny policy
+
+
+def fixed_prompt_text(env: str) -> list[str]:
+    """The parts of every prompt of `env` that never change: its instruction and the reply format."""
+    formats = {build_prompt("", "", [], "", admissible).rpartition("\n\n")[2] for admissible in (None, [])}
+    return [resolve_env_class(env).instruction, *sorted(formats)]
+
+
+def train_tokenizer(env: str, rows: Sequence[dict[str, Any]], vocab_size: int = 2000) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the prompts and replies of `rows`, with a chat template."""
+    corpus = [row["prompt"][0]["content"] + row["completion"][0]["content"] for row in rows]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+    fast.add_tokens(fixed_prompt_text(env))
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 sized for a CPU (tied embeddings, 4 heads, 2 KV heads)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def sft_warm_start(
+    model,
+    tokenizer,
+    rows: Sequence[dict[str, Any]],
+    output_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+    use_cpu: bool = True,
+):
+    """Supervised warm start with TRL's SFTTrainer on demonstration rows (loss on the reply only).
+
+    Returns the SFT loss log. Gradient checkpointing is off: it is TRL's default to save
+    memory, which a tiny model does not need, and it costs a third of the step time.
+    """
+    from trl import SFTConfig, SFTTrainer
+
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "completion": row["completion"]} for row in rows])
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=min(20, steps // 10),
+        gradient_checkpointing=False,
+        logging_steps=max(1, steps // 10),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=use_cpu,
+        seed=seed,
+        disable_tqdm=True,
+        dataset_num_proc=None,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    return [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history if "loss" in e]
+
+
+# ---------------------------------------------------------------------- transition memo
+
+
+class MemoEnv(TextEnv):
+    """A deterministic engine behind an exact transition memo that processes share (SQLite).
+
+    ALFWorld's engine is deterministic: a game and the commands played so far fix the
+    next observation. Its resets (0.3-2 s) and steps (60-200 ms) dominate a CPU study in
+    which many runs start from one warm-started policy and play largely the same
+    episodes. The memo maps (task id, commands so far) to the engine's `StepResult`;
+    on a miss it plays the engine, first bringing it to the episode's current state
+    (reset and replay) when it is elsewhere. The agent reads exactly what the engine
+    would have said; only the time differs.
+
+    Subclass it with `inner` (the wrapped env's registry name) set; `normalise` must
+    map commands as the inner env does, so that equal commands share an entry.
+    `totals` counts, over the process, transitions served from the memo (hits), played
+    (misses) and replayed to reach a miss's state.
+    """
+
+    inner: str = ""
+    totals: Counter = Counter()
+
+    def __init__(self, memo_path: str, **inner_kwargs: Any):
+        self._inner_kwargs = inner_kwargs
+        self._engine: TextEnv | None = None  # built on the first miss
+        self._engine_path: tuple | None = None  # what the engine has actually played
+        self._path: tuple = ()
+        self._db = sqlite3.connect(memo_path, timeout=120, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS memo (key TEXT PRIMARY KEY, value TEXT)")
+
+    @classmethod
+    def tasks(cls, split: str = "train", memo_path: str = "", **inner_kwargs: Any) -> list[TaskSpec]:
+        return resolve_env_class(cls.inner).tasks(split, **inner_kwargs)
+
+    @classmethod
+    def splits(cls) -> tuple[str, ...]:
+        return resolve_env_class(cls.inner).splits()
+
+    @staticmethod
+    def normalise(action: str) -> str:
+        return " ".join(str(action).lower().split())
+
+    def reset(self, task_id: int) -> StepResult:
+        self._path = (int(task_id),)
+        return self._lookup()
+
+    def step(self, action: str) -> StepResult:
+        self._path = (*self._path, self.normalise(action))
+        return self._lookup()
+
+    def _lookup(self) -> StepResult:
+        key = json.dumps(self._path)
+        row = self._db.execute("SELECT value FROM memo WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            self.totals["misses"] += 1
+            value = self._play()
+            self._db.execute("INSERT OR IGNORE INTO memo VALUES (?, ?)", (key, json.dumps(value)))
+        else:
+            self.totals["hits"] += 1
+            value = json.loads(row[0])
+        self.task = value["task"]
+        return StepResult(**value["result"])
+
+    def _play(self) -> dict[str, Any]:
+        if self._engine is None:
+            self._engine = make_env(self.inner, **self._inner_kwargs)
+        task_id, *commands = self._path
+        if self._engine_path != self._path[:-1]:  # the engine is elsewhere: bring it to the parent state
+            self._engine.reset(task_id)
+            for command in commands[:-1]:
+                self._engine.step(command)
+            self.totals["replayed"] += len(commands)
+        result = self._engine.step(commands[-1]) if commands else self._engine.reset(task_id)
+        self._engine_path = self._path
+        return {"result": dataclasses.asdict(result), "task": self._engine.task}
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._engine_path = None
+        self._db.close()
+
+
+def memo_env(env: str) -> str:
+    """Registry name of the memoised version of `env`, registering it on first use."""
+    name = f"{env}-memo"
+    inner = resolve_env_class(env)
+    attributes = {
+        "inner": env,
+        "instruction": inner.instruction,
+        "invalid_action": inner.invalid_action,
+        "report_key": inner.report_key,
+        "__module__": __name__,
+    }
+    register_env(name)(type(f"Memo_{env}", (MemoEnv,), attributes))
+    return name
+
+
+# ---------------------------------------------------------------------- results
+
+
+def mean_std(values: Sequence[float]) -> dict[str, float]:
+    values = [float(v) for v in values]
+    return {
+        "mean": statistics.fmean(values) if values else float("nan"),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (other jobs on the machine make timings noisy: load average)."""
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return path

@@ -1,0 +1,220 @@
+"""Rollout throughput: the multi-turn lockstep rollout against TRL's single-turn generation and one env at a time.
+
+    OMP_NUM_THREADS=2 python bench/rollout_throughput.py          # CPU run, TextCraft (~3 minutes)
+    OMP_NUM_THREADS=2 python bench/rollout_throughput.py --quick  # CI size, tiny env (~20 s)
+    python bench/rollout_throughput.py --device cuda --model Qwen/Qwen2.5-0.5B-Instruct \
+        --num-envs 1 8 32 128 --max-completion-length 128
+
+One model, one tokenizer, the same first-turn prompts; three ways of generating, timed
+side by side in one run for each number B of parallel envs:
+
+- lockstep: `rollout.run_rollouts` over B envs. Every turn builds the prompts of the
+  active envs, makes one batched generate call through TRL's generation path
+  (`BiPACETrainer._generate_turn`) and one `VectorEnv.step`.
+- TRL single-turn: `GRPOTrainer._generate_single_turn` on the B first-turn prompts, once
+  per turn of the budget: what TRL's GRPO generates for a batch of B with no env in the
+  loop, the ceiling of the lockstep rollout at batch B.
+- one at a time: each episode played alone with batch-1 generation (a plain agent loop),
+  measured once on min(B_max, --sequential-episodes) episodes.
+
+Throughput = completion tokens / wall seconds, env time included for the two rollouts.
+By default the model is a tiny random Qwen2 with a tokenizer trained on the env's text
+(bench/common.py): its replies are almost never valid actions, so every episode runs the
+whole turn budget and nearly every reply the whole `max_completion_length`, which makes
+the three paths do comparable work. Writes JSON and a plot (tokens/s against B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bipace_trainer import BiPACEConfig, BiPACETrainer
+from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.rollout import TaskRef, run_rollouts
+from envs.base import resolve_env_class
+from envs.vector import VectorEnv
+
+HISTORY_LENGTH = 1
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI size: tiny env, B up to 8, 2 turns")
+    parser.add_argument("--env", default="textcraft")
+    parser.add_argument("--model", default=None, help="model id or path; default: tiny random Qwen2 (bench/common.py)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--num-envs", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--sequential-episodes", type=int, default=8, help="episodes played one at a time")
+    parser.add_argument("--repeats", type=int, default=2, help="timed repeats per B (median)")
+    parser.add_argument("--out", default=str(common.ROOT / "docs" / "results" / "rollout_throughput.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.env, args.num_envs, args.max_turns, args.sequential_episodes, args.repeats = "tiny", [1, 2, 4, 8], 2, 2, 1
+        args.max_completion_length = 16
+    return args
+
+
+def load_policy(args):
+    if args.model:
+        from bipace_trainer.models import resolve_model_name
+
+        name = resolve_model_name(args.model)
+        return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+    specs = resolve_env_class(args.env).tasks("train")[:60]
+    rows = collect_demonstrations(args.env, [spec.task_id for spec in specs], history_length=HISTORY_LENGTH)
+    tokenizer = common.train_tokenizer(args.env, rows)
+    return common.tiny_model(tokenizer, hidden_size=64, layers=2), tokenizer
+
+
+def make_trainer(model, tokenizer, args, output_dir) -> BiPACETrainer:
+    config = BiPACEConfig(
+        output_dir=output_dir,
+        env_name=args.env,
+        preset="grpo",  # no hidden-state capture: generation alone, as TRL's GRPO does it
+        num_generations=2,
+        tasks_per_iteration=1,
+        per_device_train_batch_size=2,
+        max_turns=args.max_turns,
+        history_length=HISTORY_LENGTH,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        use_cpu=args.device == "cpu",
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
+    return BiPACETrainer(model, args=config, processing_class=tokenizer)
+
+
+def task_refs(env: str, count: int) -> list[TaskRef]:
+    specs = resolve_env_class(env).tasks("train")
+    return [TaskRef(specs[i % len(specs)].task_id, group=i) for i in range(count)]
+
+
+def lockstep(trainer, tasks) -> dict:
+    """Play `tasks` in lockstep; the first-turn prompts come back for the single-turn path."""
+    envs = VectorEnv(trainer.args.env_name, len(tasks), backend="serial")
+    try:
+        start = time.perf_counter()
+        rollout = run_rollouts(envs, tasks, trainer._generate_turn, trainer.rollout_settings)
+        seconds = time.perf_counter() - start
+    finally:
+        envs.close()
+    tokens = sum(len(step.completion_ids) for step in rollout.steps)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "generate_s": rollout.seconds["generate"],
+        "env_s": rollout.seconds["env"],
+        "turns": max(step.t for step in rollout.steps) + 1,
+        "first_prompts": [step.prompt_ids for step in rollout.steps if step.t == 0],
+    }
+
+
+def single_turn(trainer, prompt_ids, calls: int) -> dict:
+    start = time.perf_counter()
+    tokens = 0
+    for _ in range(calls):
+        completion_ids, _ = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        tokens += sum(len(ids) for ids in completion_ids)
+    return {"tokens": tokens, "seconds": time.perf_counter() - start}
+
+
+def one_at_a_time(trainer, tasks) -> dict:
+    runs = [lockstep(trainer, [task]) for task in tasks]
+    return {"tokens": sum(r["tokens"] for r in runs), "seconds": sum(r["seconds"] for r in runs), "episodes": len(runs)}
+
+
+def median_run(fn, repeats: int) -> dict:
+    runs = [fn() for _ in range(repeats)]
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+
+def measure(trainer, args) -> dict:
+    lockstep(trainer, task_refs(args.env, 2))  # warm-up: first-call costs out of the timings
+    rows = []
+    for num_envs in args.num_envs:
+        tasks = task_refs(args.env, num_envs)
+        multi = median_run(lambda: lockstep(trainer, tasks), args.repeats)
+        prompts = multi.pop("first_prompts")
+        single = median_run(lambda: single_turn(trainer, prompts, multi["turns"]), args.repeats)
+        rows.append({"num_envs": num_envs, "lockstep": multi, "trl_single_turn": single})
+    sequential = one_at_a_time(trainer, task_refs(args.env, min(max(args.num_envs), args.sequential_episodes)))
+    for row in rows:
+        row["lockstep"]["tokens_per_s"] = row["lockstep"]["tokens"] / row["lockstep"]["seconds"]
+        row["trl_single_turn"]["tokens_per_s"] = row["trl_single_turn"]["tokens"] / row["trl_single_turn"]["seconds"]
+    sequential["tokens_per_s"] = sequential["tokens"] / sequential["seconds"]
+    return {"rows": rows, "one_at_a_time": sequential}
+
+
+def report(result) -> None:
+    sequential = result["one_at_a_time"]["tokens_per_s"]
+    print(f"\none env at a time (batch-1 generation): {sequential:,.0f} tokens/s")
+    print(f"{'envs':>5}{'lockstep tok/s':>16}{'TRL 1-turn tok/s':>18}{'lockstep/TRL':>14}"
+          f"{'lockstep/1-at-a-time':>22}{'env share':>11}")
+    for row in result["rows"]:
+        multi, single = row["lockstep"], row["trl_single_turn"]
+        row["ratio_lockstep_vs_trl"] = multi["tokens_per_s"] / single["tokens_per_s"]
+        row["ratio_lockstep_vs_one_at_a_time"] = multi["tokens_per_s"] / sequential
+        print(
+            f"{row['num_envs']:>5}{multi['tokens_per_s']:>16,.0f}{single['tokens_per_s']:>18,.0f}"
+            f"{row['ratio_lockstep_vs_trl']:>14.2f}{row['ratio_lockstep_vs_one_at_a_time']:>22.2f}"
+            f"{multi['env_s'] / multi['seconds']:>11.1%}"
+        )
+
+
+def plot(result, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = [row["num_envs"] for row in result["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(envs, [r["lockstep"]["tokens_per_s"] for r in result["rows"]], "o-", label="multi-turn lockstep rollout")
+    ax.plot(envs, [r["trl_single_turn"]["tokens_per_s"] for r in result["rows"]], "s--", label="TRL single-turn generation")
+    ax.axhline(result["one_at_a_time"]["tokens_per_s"], color="grey", linestyle=":", label="one env at a time, batch 1")
+    ax.set(xscale="log", yscale="log", xlabel="parallel envs (batch size)", ylabel="completion tokens / s", title=title)
+    ax.set_xticks(envs, [str(e) for e in envs])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(args)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = make_trainer(model, tokenizer, args, output_dir)
+        result = measure(trainer, args)
+    report(result)
+    out = Path(args.out)
+    model_name = args.model or "tiny random Qwen2 (64 x 2)"
+    result.update(
+        env=args.env,
+        model=model_name,
+        device=args.device,
+        max_turns=args.max_turns,
+        max_completion_length=args.max_completion_length,
+        machine=common.machine(),
+        median_of=args.repeats,
+    )
+    common.write_json(out, result)
+    plot(result, out.with_suffix(".png"), f"{args.env}, {model_name}, {args.device}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

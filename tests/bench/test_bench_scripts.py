@@ -1,0 +1,90 @@
+"""The learning study, cost and rollout-throughput benches run at CI size and write the JSON they promise."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+PRESETS = {"grpo", "gigpo", "bipace_q", "gagpo", "bigagpo"}
+
+
+def run(script: str, *args) -> str:
+    cmd = [sys.executable, str(ROOT / "bench" / script), "--quick", *map(str, args)]
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def is_rate(value) -> bool:
+    return 0.0 <= value <= 1.0
+
+
+@pytest.mark.slow
+def test_learning_study(tmp_path):
+    printed = run("learning_study.py", "--out", tmp_path, "--work-dir", tmp_path / "work")
+    result = json.loads((tmp_path / "learning_study.json").read_text())
+    assert (tmp_path / "learning_tiny.png").stat().st_size > 0
+    env = result["envs"]["tiny"]
+    assert all(is_rate(e["success_rate"]) for e in env["warm_start"]["evals"])
+    assert set(env["presets"]) == PRESETS and "bipace_q" in printed
+    for row in env["presets"].values():
+        final, peak = row["final"]["valid"], row["peak"]
+        assert final["n"] == 1 and is_rate(final["mean"]) and peak["mean"] >= final["mean"]
+        assert set(row["per_type_final"]) <= {"1", "2", "3"} and row["per_type_final"]
+        assert set(row["steps_to_gain"]) == {"+0.05", "+0.1", "+0.2"}
+        for key in ("train_success", "hash_singleton_rate", "hidden_singleton_rate", "nonzero_advantage"):
+            assert is_rate(row[key]), key
+        branches = sum(row[f"hidden_branch_{b}"] for b in ("pace", "loo", "singleton"))
+        assert math.isclose(branches, 1.0, abs_tol=1e-6)
+        assert row["hidden_eps"] >= 0 and row["advantage_std"] >= 0 and row["seconds_per_step"] > 0
+    for run_ in env["runs"]:
+        assert [r["step"] for r in run_["curve"]] == [1, 2, 3]
+        assert [(e["split"], e["step"]) for e in run_["evals"]] == [("valid", 2), ("valid", 3)]
+
+
+@pytest.mark.slow
+def test_cost(tmp_path):
+    run("cost.py", "--out", tmp_path / "cost.json")
+    result = json.loads((tmp_path / "cost.json").read_text())
+    assert (tmp_path / "cost.png").stat().st_size > 0
+    assert result["same_batches"], "lr 0 and one seed must give every variant the same rollouts"
+    variants = result["variants"]
+    assert set(variants) == {"grpo", "gigpo", "bipace_q", "bipace_q/forward", "gagpo", "bigagpo"}
+    for name, variant in variants.items():
+        median = variant["median"]
+        assert median["step_s"] > 0 and median["generate_s"] > 0 and median["update_s"] > 0, name
+    assert variants["bipace_q/forward"]["median"]["hidden_s"] > 0
+    assert variants["bipace_q"]["median"]["hidden_s"] == 0  # the hook costs no separate pass
+    share = result["bipace_share"]
+    assert share["paper"] == 0.113 and 0 < share["bipace_q/forward"]["hidden_forward_pass"] < 1
+
+
+@pytest.mark.slow
+def test_rollout_throughput(tmp_path):
+    run("rollout_throughput.py", "--out", tmp_path / "throughput.json")
+    result = json.loads((tmp_path / "throughput.json").read_text())
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert [row["num_envs"] for row in result["rows"]] == [1, 2, 4, 8]
+    for row in result["rows"]:
+        assert row["lockstep"]["tokens"] > 0 and row["trl_single_turn"]["tokens"] > 0
+        assert row["ratio_lockstep_vs_trl"] > 0 and row["ratio_lockstep_vs_one_at_a_time"] > 0
+    assert result["one_at_a_time"]["episodes"] == 2 and result["one_at_a_time"]["tokens_per_s"] > 0
+
+
+def test_learning_study_set_overrides_name_the_field():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning_study
+
+    args = learning_study.parse_args(["--set", "cluster_eps=0.05", "--set", "cluster_layer=-1", "--set", "preset=gigpo"])
+    assert args.overrides == {"cluster_eps": 0.05, "cluster_layer": -1, "preset": "gigpo"}
+    for bad in ("cluster_eps", "no_such_field=1"):
+        with pytest.raises(SystemExit):
+            learning_study.parse_args(["--set", bad])
