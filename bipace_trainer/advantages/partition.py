@@ -110,7 +110,7 @@ def leader_cluster(hidden: torch.Tensor, layout: BatchLayout, eps: float, block:
     2·N·(K + block)·d flops in batched GEMMs (the floor: every step meets every
     centroid of its group, as the rule demands), centroids read once per block, and n
     iterations of the scalar walk on (G, K + block) arrays, shared by all groups.
-    On 2 CPU cores at d = 3,584 and K ≈ 30 that is ~40k steps/s (bench/estimators.py).
+    On 2 CPU cores at d = 3,584 and K ≈ 30 that is 25-30k steps/s (bench/estimators.py).
 
     Args:
         hidden: (N, d) float hidden states (any scale; rows are L2-normalised here).
