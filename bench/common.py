@@ -31,18 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM  # noqa: E402
 
+from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2  # noqa: E402
 from bipace_trainer.prompting import build_prompt  # noqa: E402
 from envs.base import StepResult, TaskSpec, TextEnv, make_env, register_env, resolve_env_class  # noqa: E402
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<unk>", "<|im_start|>", "<|im_end|>", "<pad>"]
-
 
 # ---------------------------------------------------------------------- the tiny policy
 
@@ -56,39 +49,14 @@ def fixed_prompt_text(env: str) -> list[str]:
 def train_tokenizer(env: str, rows: Sequence[dict[str, Any]], vocab_size: int = 2000) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on the prompts and replies of `rows`, with a chat template."""
     corpus = [row["prompt"][0]["content"] + row["completion"][0]["content"] for row in rows]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
-    fast.add_tokens(fixed_prompt_text(env))
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    tokenizer = bpe_chat_tokenizer(corpus, vocab_size)
+    tokenizer.add_tokens(fixed_prompt_text(env))
+    return tokenizer
 
 
 def tiny_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 sized for a CPU (tied embeddings, 4 heads, 2 KV heads)."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+    """A randomly initialised Qwen2 sized for a CPU (`bipace_trainer.models.tiny_qwen2`)."""
+    return tiny_qwen2(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed)
 
 
 def sft_warm_start(

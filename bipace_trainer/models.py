@@ -10,6 +10,10 @@ that in well under a second. Nothing is downloaded: this works offline.
 
 `resolve_model_name("embedded")` returns the cached checkpoint's path; any other name
 (a Hub id or a local directory) is returned unchanged.
+
+For offline tests and CPU benchmarks, `bpe_chat_tokenizer` and `tiny_qwen2` build a
+policy from nothing: a byte-level BPE tokenizer trained on the given text, with a
+ChatML template, and a randomly initialised Qwen2 sized for a CPU.
 """
 
 from __future__ import annotations
@@ -20,11 +24,23 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["EMBEDDED_MODEL", "cache_dir", "embedded_model_path", "resolve_model_name"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "EMBEDDED_MODEL",
+    "bpe_chat_tokenizer",
+    "cache_dir",
+    "embedded_model_path",
+    "resolve_model_name",
+    "tiny_qwen2",
+]
 
 EMBEDDED_MODEL = "embedded"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CHECKPOINT_NAME = "SmolLM2-135M-Instruct"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def cache_dir() -> Path:
@@ -85,3 +101,51 @@ def resolve_model_name(name: str | None) -> str:
     if name in (None, "", EMBEDDED_MODEL):
         return str(embedded_model_path())
     return name
+
+
+def bpe_chat_tokenizer(corpus, vocab_size: int):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on the strings of `corpus`.
+
+    Special tokens <unk>, <|im_start|>, <|im_end|> (eos) and <pad>; the ChatML
+    `CHAT_TEMPLATE`. Deterministic for a given corpus.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_qwen2(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0):
+    """A randomly initialised Qwen2 sized for a CPU (tied embeddings, 4 heads, 2 KV heads), seeded."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

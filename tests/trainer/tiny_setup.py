@@ -14,19 +14,15 @@ import os
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from envs.tiny import TinyEnv
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 TINY_ENV_KWARGS = {"size": 4}
 HISTORY_LENGTH = 1  # the warm start and the RL runs must build the same prompts
 
@@ -37,41 +33,11 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     )
     corpus = [r["prompt"][0]["content"] + r["completion"][0]["content"] for r in rows]
     corpus.append("Nothing happens. You moved left. You moved right. You reached the goal! stay")
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1500,
-        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return bpe_chat_tokenizer(corpus, vocab_size=1500)
 
 
 def make_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+    return tiny_qwen2(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed)
 
 
 def warm_start(model, tokenizer, output_dir: str, *, expert_prob: float = 0.0, max_steps: int = 60, seed: int = 0):
