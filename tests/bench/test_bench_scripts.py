@@ -62,6 +62,9 @@ def test_cost(tmp_path):
         median = variant["median"]
         assert median["step_s"] > 0 and median["generate_s"] > 0 and median["update_s"] > 0, name
     assert variants["bipace_q/forward"]["median"]["hidden_s"] > 0
+    for name, variant in variants.items():  # phases partition the rollout: the extra pass is not also in generate
+        median = variant["median"]
+        assert median["generate_s"] + median["env_s"] + median["hidden_s"] <= median["rollout_s"] * 1.001, name
     assert variants["bipace_q"]["median"]["hidden_s"] == 0  # the hook costs no separate pass
     share = result["bipace_share"]
     assert share["paper"] == 0.113 and 0 < share["bipace_q/forward"]["hidden_forward_pass"] < 1
