@@ -174,16 +174,20 @@ def _partition(batch: StepBatch, layout: BatchLayout, settings: EstimatorSetting
     return hidden_partition(batch.hidden, layout, eps)
 
 
-def _quantile(values: torch.Tensor, q: float) -> float:
-    return float(torch.quantile(values, q)) if values.numel() else 0.0
+def _quantiles(values: torch.Tensor, *q: float) -> list[float]:
+    """Several quantiles from one sort (each torch.quantile call sorts again)."""
+    if not values.numel():
+        return [0.0] * len(q)
+    return torch.quantile(values, torch.tensor(q, dtype=values.dtype)).tolist()
 
 
 def _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, eps) -> dict[str, float]:
     adv = advantage.to(torch.float64)
+    q25, q75 = _quantiles(adv, 0.25, 0.75)
     diag = {
         "advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
         "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0,
-        "advantage/iqr": _quantile(adv, 0.75) - _quantile(adv, 0.25),
+        "advantage/iqr": q75 - q25,
         "advantage/episode_abs_mean": float(ep_adv.abs().mean()) if adv.numel() else 0.0,
         "advantage/step_abs_mean": float(step_adv.abs().mean()) if adv.numel() else 0.0,
     }
@@ -195,7 +199,7 @@ def _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, 
             "estimator/singleton_rate": partition.singleton_rate(),
             "estimator/num_cells": float(partition.num_cells),
             "estimator/cell_size_mean": float(sizes.mean()) if sizes.numel() else 0.0,
-            "estimator/cell_size_p90": _quantile(sizes, 0.9),
+            "estimator/cell_size_p90": _quantiles(sizes, 0.9)[0],
         }
     )
     if settings.partition == "hidden":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from bipace_trainer.advantages import BatchLayout, compute_advantages, leader_cluster, resolve_settings
+from bipace_trainer.advantages import BatchLayout, compute_advantages, leader_cluster, partition, resolve_settings
 from bipace_trainer.advantages.presets import EstimatorSettings
 
 from . import reference
@@ -65,13 +67,20 @@ def test_presets_match_reference(preset, steps, eps):
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps=step_lists(max_traj=6, max_len=8), block=st.sampled_from([1, 2, 5, 32]), eps=st.sampled_from([0.0, 0.1, 0.3]))
-def test_leader_cluster_blocks_match_reference(steps, block, eps):
-    """The blockwise evaluation gives the sequential rule's clusters for any block size."""
+@given(
+    steps=step_lists(max_traj=6, max_len=8),
+    block=st.sampled_from([1, 2, 5, 32]),
+    eps=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
+    one_group_per_chunk=st.booleans(),
+)
+def test_leader_cluster_blocks_match_reference(steps, block, eps, one_group_per_chunk):
+    """The blockwise evaluation gives the sequential rule's clusters for any block size,
+    whether the task groups advance together or one chunk of groups at a time."""
     expected, margin = reference.hidden_cells(steps, eps)
     assume(margin > 1e-4)
     batch = to_batch(steps)
     layout = BatchLayout.from_batch(batch)
-    got = leader_cluster(batch.hidden, layout, eps, block=block)
+    with mock.patch.object(partition, "_BLOCK_FLOATS", 1 if one_group_per_chunk else partition._BLOCK_FLOATS):
+        got = leader_cluster(batch.hidden, layout, eps, block=block)
     # reference labels are (group, cluster index in order of foundation): compare exactly
     assert [(s["group"], int(label)) for s, label in zip(steps, got)] == expected
