@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python bench/learning_study.py                   # CPU study: tiny env, 5 seeds (~15 min)
     OMP_NUM_THREADS=1 python bench/learning_study.py --quick           # CI size: tiny env, 1 seed (~1 min)
     OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-envs   # TextCraft + ALFWorld, tiny model (see below)
+    OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-textcraft  # TextCraft, 256 x 4 model
     python bench/learning_study.py --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
 
 Per env:
@@ -24,7 +25,9 @@ env's text. `cpu-envs` runs the same recipe on TextCraft (train depth 2 = "train
 held-out depth-2 goals = "valid", out of domain depth 3 = "test_ood") and ALFWorld
 (games generated offline; "valid_unseen", "valid_seen", success per task type): on a CPU
 its tiny model learns the reply format but solves no task after SFT, so RL has nothing
-to compare (docs/RESULTS.md). `cuda` starts from a pretrained instruct model.
+to compare (docs/RESULTS.md). `cpu-textcraft` tries a 256 x 4 policy on TextCraft alone:
+it wins a few training goals after SFT, still too few for RL. `cuda` starts from a
+pretrained instruct model.
 ALFWorld's engine is deterministic and slow (resets ~1 s, steps 60-200 ms), so its
 episodes are served through an exact transition memo that all runs share
 (`common.MemoEnv`): the agent reads what the engine says, each transition is computed once.
@@ -139,6 +142,22 @@ SIZES = {
                 sft_steps=300, rl_steps=16, tasks_per_iteration=2, num_generations=8, max_turns=10, eval_interval=8,
             ),
         },
+    ),
+    # TextCraft alone with a policy 17x the tiny env's (256 x 4, 2.7M parameters): 600 SFT
+    # steps (~11 min on 2 threads) won 29% / 8% of 48 training goals and 6% / 0% of 48
+    # held-out ones in two runs; RL batches at temperature 0.7 almost never win, and a
+    # step costs ~20 s on 2 threads (docs/RESULTS.md, "A larger CPU policy on TextCraft").
+    "cpu-textcraft": Size(
+        envs={
+            "textcraft": EnvPlan(
+                "textcraft", ("valid", "test_ood", "train"), demo_variants=3, demo_id_stride=419, sft_steps=600,
+                sft_batch_size=16, sft_learning_rate=1e-3, rl_steps=30, tasks_per_iteration=2, num_generations=8,
+                max_turns=10, eval_interval=10, eval_tasks=48,
+            ),
+        },
+        hidden_size=256,
+        layers=4,
+        learning_rate=3e-4,
     ),
     "cuda": Size(
         envs={

@@ -91,3 +91,17 @@ def test_learning_study_set_overrides_name_the_field():
     for bad in ("cluster_eps", "no_such_field=1"):
         with pytest.raises(SystemExit):
             learning_study.parse_args(["--set", bad])
+
+
+def test_every_study_size_builds_valid_rl_configs(tmp_path):
+    """Each size's plans give a BiPACEConfig that passes validation (a typo in a size
+    would otherwise surface only after its warm start, minutes or hours in)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning_study
+
+    for name, size in learning_study.SIZES.items():
+        assert size.envs, name
+        for plan in size.envs.values():
+            config = learning_study.rl_config(plan, size, tmp_path, tmp_path / "run", preset="bipace_q")
+            assert config.max_steps == plan.rl_steps and config.eval_split == plan.eval_splits[0], name
+            assert config.num_generations == plan.num_generations, name
