@@ -538,6 +538,7 @@ def parse_args(argv=None):
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--seeds", type=int, help="seeds per preset (default: the size's)")
     parser.add_argument("--rl-steps", type=int, help="override every env's RL steps")
+    parser.add_argument("--sft-steps", type=int, help="override every env's SFT (warm-start) steps")
     parser.add_argument("--model", help="model id or path instead of the size's (None = tiny random Qwen2)")
     parser.add_argument("--jobs", type=int, help="runs in parallel (default: the size's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -564,6 +565,8 @@ def resolve_size(args) -> Size:
     envs = {name: plan for name, plan in size.envs.items() if not args.envs or name in args.envs}
     if args.rl_steps:
         envs = {name: dataclasses.replace(plan, rl_steps=args.rl_steps) for name, plan in envs.items()}
+    if args.sft_steps:
+        envs = {name: dataclasses.replace(plan, sft_steps=args.sft_steps) for name, plan in envs.items()}
     overrides = {k: v for k, v in (("seeds", args.seeds), ("jobs", args.jobs), ("model", args.model)) if v}
     return dataclasses.replace(size, envs=envs, **overrides)
 

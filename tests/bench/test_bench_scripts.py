@@ -105,3 +105,15 @@ def test_every_study_size_builds_valid_rl_configs(tmp_path):
             config = learning_study.rl_config(plan, size, tmp_path, tmp_path / "run", preset="bipace_q")
             assert config.max_steps == plan.rl_steps and config.eval_split == plan.eval_splits[0], name
             assert config.num_generations == plan.num_generations, name
+
+
+def test_learning_study_step_overrides_reach_every_env():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning_study
+
+    args = learning_study.parse_args(["--size", "cpu-envs", "--rl-steps", "3", "--sft-steps", "7", "--envs", "textcraft"])
+    size = learning_study.resolve_size(args)
+    assert list(size.envs) == ["textcraft"]
+    assert all(plan.rl_steps == 3 and plan.sft_steps == 7 for plan in size.envs.values())
+    untouched = learning_study.resolve_size(learning_study.parse_args(["--size", "cpu-envs"]))
+    assert untouched.envs == learning_study.SIZES["cpu-envs"].envs
