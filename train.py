@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
-from bipace_trainer.models import resolve_model_name  # noqa: E402
+from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 
 # What `python train.py` with no arguments runs: a few minutes on a 2-core CPU. TextCraft
 # prompts are long (~450 tokens of crafting commands), so the CPU budget is one task × 2
@@ -77,7 +77,7 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     model_name = resolve_model_name(model_args.model_name_or_path)
     check_cluster_layer(model_name, training_args)
     remote = training_args.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(model_name, revision=model_args.model_revision, trust_remote_code=remote)
+    tokenizer = load_tokenizer(model_name, revision=model_args.model_revision, trust_remote_code=remote)
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_name,

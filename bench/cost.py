@@ -31,11 +31,11 @@ import tempfile
 from pathlib import Path
 
 import common
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
-from bipace_trainer.models import resolve_model_name
+from bipace_trainer.models import load_tokenizer, resolve_model_name
 from envs.base import resolve_env_class
 
 PAPER_SHARE = 0.113  # BiPACE: share of a step's wall time that is BiPACE-specific
@@ -98,7 +98,7 @@ def load_policy(args, path: Path):
     """The model, saved once to `path` so that every variant loads the very same weights."""
     if args.model:
         name = resolve_model_name(args.model)
-        tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name)
+        tokenizer, model = load_tokenizer(name), AutoModelForCausalLM.from_pretrained(name)
     else:
         task_ids = [spec.task_id for spec in resolve_env_class(args.env).tasks("train")]
         tokenizer = common.train_tokenizer(args.env, collect_demonstrations(args.env, task_ids, history_length=1))
@@ -134,7 +134,7 @@ def train_variant(name: str, args, policy: Path, output_dir: str) -> dict:
         use_cpu=args.device == "cpu",
         seed=0,
     )
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(policy), AutoTokenizer.from_pretrained(policy)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(policy), load_tokenizer(policy)
     trainer = FingerprintTrainer(model, args=config, processing_class=tokenizer)
     trainer.fingerprints, trainer.completion_tokens = [], []
     try:

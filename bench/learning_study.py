@@ -51,12 +51,12 @@ from typing import Any
 
 import common
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator, resolve_settings
 from bipace_trainer.demonstrations import collect_demonstrations
-from bipace_trainer.models import resolve_model_name
+from bipace_trainer.models import load_tokenizer, resolve_model_name
 from envs.base import resolve_env_class
 
 PRESETS = ("grpo", "gigpo", "bipace_q", "gagpo", "bigagpo")
@@ -302,7 +302,7 @@ def warm_start_job(job: dict[str, Any]) -> dict[str, Any]:
         model = common.tiny_model(tokenizer, hidden_size=size.hidden_size, layers=size.layers)
     else:
         name = resolve_model_name(size.model)
-        tokenizer, model = AutoTokenizer.from_pretrained(name), AutoModelForCausalLM.from_pretrained(name)
+        tokenizer, model = load_tokenizer(name), AutoModelForCausalLM.from_pretrained(name)
     sft_log = common.sft_warm_start(
         model, tokenizer, rows, env_dir / "sft", steps=plan.sft_steps, batch_size=plan.sft_batch_size,
         learning_rate=plan.sft_learning_rate, use_cpu=size.device == "cpu",
@@ -340,7 +340,7 @@ def rl_job(job: dict[str, Any]) -> dict[str, Any]:
     warm = work_dir / plan.env / "warm"
     output_dir = work_dir / plan.env / "runs" / f"{preset}-seed{seed}"
     start, memo_before = time.perf_counter(), common.MemoEnv.totals.copy()
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(warm), AutoTokenizer.from_pretrained(warm)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(warm), load_tokenizer(warm)
     trainer = StudyTrainer(model, args=rl_config(plan, size, work_dir, output_dir, preset, seed, job["overrides"]),
                                     processing_class=tokenizer)
     try:

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import common
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.models import load_tokenizer
 from bipace_trainer.rollout import TaskRef, run_rollouts
 from envs.base import resolve_env_class
 from envs.vector import VectorEnv
@@ -68,7 +69,7 @@ def load_policy(args):
         from bipace_trainer.models import resolve_model_name
 
         name = resolve_model_name(args.model)
-        return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+        return AutoModelForCausalLM.from_pretrained(name), load_tokenizer(name)
     specs = resolve_env_class(args.env).tasks("train")[:60]
     rows = collect_demonstrations(args.env, [spec.task_id for spec in specs], history_length=HISTORY_LENGTH)
     tokenizer = common.train_tokenizer(args.env, rows)

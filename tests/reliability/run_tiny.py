@@ -19,10 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer  # noqa: E402
+from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from bipace_trainer import BiPACETrainer  # noqa: E402
+from bipace_trainer.models import load_tokenizer  # noqa: E402
 from tests.trainer.tiny_setup import tiny_args  # noqa: E402
 
 METRICS = ("loss", "grad_norm", "episode/success_rate", "episode/steps", "advantage/mean", "estimator/cluster_eps")
@@ -51,7 +52,7 @@ def main():
         Trainer._save_rng_state = stalled_save
 
     model = AutoModelForCausalLM.from_pretrained(cli.model)
-    tokenizer = AutoTokenizer.from_pretrained(cli.model)
+    tokenizer = load_tokenizer(cli.model)
     args = tiny_args(out, preset="bipace_q", max_steps=cli.steps, save_strategy="steps", save_steps=1,
                      evaluate_before_training=False, eval_tasks=2, learning_rate=2e-3)
     trainer = BiPACETrainer(model, args=args, processing_class=tokenizer)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
+
+from bipace_trainer.models import load_tokenizer
 
 from tests.trainer.tiny_setup import CapturingTrainer, tiny_args
 
 
 def run(model_dir, output_dir, seed):
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), load_tokenizer(model_dir)
     args = tiny_args(output_dir, preset="bipace_q", max_steps=3, seed=seed, evaluate_before_training=False, eval_tasks=2)
     trainer = CapturingTrainer(model, args=args, processing_class=tokenizer)
     trainer.captured = []

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bipace_trainer import BiPACETrainer
+from bipace_trainer.models import load_tokenizer
 
 from .tiny_setup import LORA, lora_state, tiny_args
 
@@ -81,7 +82,7 @@ def comparable_logs(trainer):
 def test_resume_continues_the_run_as_if_uninterrupted(warm_policy_dir, tmp_path):
     def make(run_dir, **kw):
         model = AutoModelForCausalLM.from_pretrained(warm_policy_dir)
-        tokenizer = AutoTokenizer.from_pretrained(warm_policy_dir)
+        tokenizer = load_tokenizer(warm_policy_dir)
         args = tiny_args(run_dir, preset="bipace_q", max_steps=4, save_strategy="steps", save_steps=2,
                          evaluate_before_training=False, **kw)
         return BiPACETrainer(model, args=args, processing_class=tokenizer, peft_config=LoraConfig(**LORA))
