@@ -563,10 +563,8 @@ def parse_args(argv=None):
 def resolve_size(args) -> Size:
     size = SIZES[args.size]
     envs = {name: plan for name, plan in size.envs.items() if not args.envs or name in args.envs}
-    if args.rl_steps:
-        envs = {name: dataclasses.replace(plan, rl_steps=args.rl_steps) for name, plan in envs.items()}
-    if args.sft_steps:
-        envs = {name: dataclasses.replace(plan, sft_steps=args.sft_steps) for name, plan in envs.items()}
+    steps = {k: v for k, v in (("rl_steps", args.rl_steps), ("sft_steps", args.sft_steps)) if v}
+    envs = {name: dataclasses.replace(plan, **steps) for name, plan in envs.items()}
     overrides = {k: v for k, v in (("seeds", args.seeds), ("jobs", args.jobs), ("model", args.model)) if v}
     return dataclasses.replace(size, envs=envs, **overrides)
 

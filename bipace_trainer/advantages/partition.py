@@ -180,9 +180,8 @@ def _cluster_groups(hidden, order, start, size, threshold, block, label) -> None
             # GEMM kernels are much faster on multiples of 16 columns; extra slots hold 0.
             sums = member_sum[:active, : min(_padded(k0), capacity)]
             dots[..., :k0] = torch.bmm(x_g, sums.transpose(1, 2))[..., :k0].double().numpy()
-        norm = member_norm[:active, :slots].copy()
-        block_label = _walk_block(dots, gram, norm, num_clusters[:active], present, threshold)
-        member_norm[:active, :slots] = norm
+        # ‖s_k‖ of the active groups, a view: the walk updates it in place
+        block_label = _walk_block(dots, gram, member_norm[:active, :slots], num_clusters[:active], present, threshold)
         # s_k += Σ members. Absent rows are 0 and point at a slot in range: adding them is a no-op.
         flat = torch.from_numpy((np.arange(active)[:, None] * capacity + block_label).reshape(-1))
         member_sum.view(-1, dim).scatter_add_(0, flat[:, None].expand(-1, dim), x_b)

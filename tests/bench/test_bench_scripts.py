@@ -23,6 +23,14 @@ def run(script: str, *args) -> str:
     return proc.stdout
 
 
+def import_learning_study():
+    """bench/learning_study.py as a module (bench/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning_study
+
+    return learning_study
+
+
 def is_rate(value) -> bool:
     return 0.0 <= value <= 1.0
 
@@ -83,8 +91,7 @@ def test_rollout_throughput(tmp_path):
 
 
 def test_learning_study_set_overrides_name_the_field():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import learning_study
+    learning_study = import_learning_study()
 
     args = learning_study.parse_args(["--set", "cluster_eps=0.05", "--set", "cluster_layer=-1", "--set", "preset=gigpo"])
     assert args.overrides == {"cluster_eps": 0.05, "cluster_layer": -1, "preset": "gigpo"}
@@ -96,8 +103,7 @@ def test_learning_study_set_overrides_name_the_field():
 def test_every_study_size_builds_valid_rl_configs(tmp_path):
     """Each size's plans give a BiPACEConfig that passes validation (a typo in a size
     would otherwise surface only after its warm start, minutes or hours in)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import learning_study
+    learning_study = import_learning_study()
 
     for name, size in learning_study.SIZES.items():
         assert size.envs, name
@@ -108,8 +114,7 @@ def test_every_study_size_builds_valid_rl_configs(tmp_path):
 
 
 def test_learning_study_step_overrides_reach_every_env():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import learning_study
+    learning_study = import_learning_study()
 
     args = learning_study.parse_args(["--size", "cpu-envs", "--rl-steps", "3", "--sft-steps", "7", "--envs", "textcraft"])
     size = learning_study.resolve_size(args)
