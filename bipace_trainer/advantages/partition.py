@@ -115,8 +115,8 @@ def leader_cluster(hidden: torch.Tensor, layout: BatchLayout, eps: float, block:
     centroid of its group, as the rule demands), each row read from memory once
     (normalised, multiplied and scattered while its block is in cache), and C·n
     iterations of the scalar walk on (G/C, K + block) arrays. On 2 CPU cores at
-    d = 3,584 and K ≈ 30 that is 115-150k steps/s from 6,400 to 100k steps, 1.6× the
-    earlier centroid-rebuilding version side by side (bench/estimators.py).
+    d = 3,584 and K ≈ 30 that is 110-140k steps/s from 6,400 to 100k steps, 4-5× the
+    GiGPO reference timed in the same run (bench/estimators.py).
 
     Args:
         hidden: (N, d) float hidden states (any scale; rows are L2-normalised here).
