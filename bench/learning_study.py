@@ -160,6 +160,21 @@ SIZES = {
         layers=4,
         learning_rate=1e-4,
     ),
+    # ALFWorld with the same 256 x 4 policy: 240 generated training games (40 per task
+    # type), two expert-ish episodes each, 15 turns (the expert needs up to ~12 on them).
+    "cpu-alfworld": Size(
+        envs={
+            "alfworld": EnvPlan(
+                "alfworld", ("valid_unseen", "valid_seen"), env_kwargs={"train_games_per_type": 40, "eval_games_per_type": 8},
+                memo=True, expert_prob=0.8, episodes_per_task=2, sft_steps=1200, sft_batch_size=16,
+                sft_learning_rate=1e-3, rl_steps=30, tasks_per_iteration=2, num_generations=8, max_turns=15,
+                eval_interval=10,
+            ),
+        },
+        hidden_size=256,
+        layers=4,
+        learning_rate=1e-4,
+    ),
     "cuda": Size(
         envs={
             "textcraft": EnvPlan(
@@ -546,6 +561,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(common.ROOT / "docs" / "results"))
     parser.add_argument("--work-dir", default=str(common.ROOT / "outputs" / "learning_study"))
     parser.add_argument("--resume", action="store_true", help="reuse the warm starts and runs already in --work-dir")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="stop after the warm starts; write <out>/learning_<size>_<env>_warm.json")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a BiPACEConfig field in every RL run (ablations), e.g. --set cluster_eps=0.05")
     args = parser.parse_args(argv)
@@ -586,6 +603,11 @@ def main(argv=None):
     for warm in warms:
         print(f"  {warm['env']}: {warm['demonstrations']} demonstration steps, "
               + ", ".join(f"{e['split']} success {e['success_rate']:.3f}" for e in warm["evals"]), flush=True)
+
+    if args.warm_only:
+        paths = [common.write_json(out / f"learning_{args.size}_{warm['env']}_warm.json", warm) for warm in warms]
+        print(f"\nwrote {', '.join(map(str, paths))} in {(time.perf_counter() - start) / 60:.1f} min")
+        return {"warm_starts": warms}
 
     rl_jobs = [dict(base, plan=plan, preset=preset, seed=seed)
                for seed in range(size.seeds) for plan in size.envs.values() for preset in args.presets]

@@ -57,6 +57,12 @@ def test_learning_study(tmp_path):
         assert [r["step"] for r in run_["curve"]] == [1, 2, 3]
         assert [(e["split"], e["step"]) for e in run_["evals"]] == [("valid", 2), ("valid", 3)]
 
+    # --warm-only stops after the (here reused) warm start and writes it on its own
+    run("learning_study.py", "--out", tmp_path / "warm", "--work-dir", tmp_path / "work", "--resume", "--warm-only")
+    warm = json.loads((tmp_path / "warm" / "learning_quick_tiny_warm.json").read_text())
+    assert warm["evals"] == env["warm_start"]["evals"]
+    assert not (tmp_path / "warm" / "learning_study.json").exists()
+
 
 @pytest.mark.slow
 def test_cost(tmp_path):
