@@ -61,6 +61,7 @@ from envs.base import resolve_env_class
 
 PRESETS = ("grpo", "gigpo", "bipace_q", "gagpo", "bigagpo")
 GAINS = (0.05, 0.1, 0.2)  # steps to reach warm-start success + gain
+PAIRED_BASELINE = "grpo"  # training-batch success is also reported as a difference to it, seed by seed
 
 
 @dataclass(frozen=True)
@@ -430,6 +431,16 @@ def window_mean(run: dict[str, Any], window: slice) -> float:
     return statistics.fmean(row["train_success"] for row in run["curve"][window])
 
 
+def paired_gap(run: dict[str, Any], baseline: dict[str, Any]) -> float:
+    """Mean over the second half of the steps of (run's − baseline's) training-batch success.
+
+    Runs with the same seed draw the same tasks at every step, so the difference removes
+    how hard each step's tasks are, which dominates a 2-task batch's success.
+    """
+    pairs = list(zip(run["curve"], baseline["curve"]))[len(run["curve"]) // 2:]
+    return statistics.fmean(a["train_success"] - b["train_success"] for a, b in pairs)
+
+
 def curve_mean(runs: list[dict[str, Any]], key: str) -> float:
     values = [row[key] for run in runs for row in run["curve"] if not math.isnan(row[key] if row[key] is not None else math.nan)]
     return statistics.fmean(values) if values else math.nan
@@ -439,8 +450,10 @@ def summarise_env(plan: EnvPlan, warm: dict[str, Any], runs: list[dict[str, Any]
     validation = plan.eval_splits[0]
     start = next(e["success_rate"] for e in warm["evals"] if e["split"] == validation)
     presets = {}
+    baseline = {run["seed"]: run for run in runs if run["preset"] == PAIRED_BASELINE}
     for preset in dict.fromkeys(run["preset"] for run in runs):
         mine = [run for run in runs if run["preset"] == preset]
+        gaps = [paired_gap(run, baseline[run["seed"]]) for run in mine if run["seed"] in baseline]
         finals = {split: [final_and_peak(run, split)[0] for run in mine] for split in plan.eval_splits}
         per_type: dict[str, list[float]] = {}
         for run in mine:
@@ -454,9 +467,10 @@ def summarise_env(plan: EnvPlan, warm: dict[str, Any], runs: list[dict[str, Any]
         presets[preset] = {
             "final": {split: common.mean_std(values) for split, values in finals.items()},
             "peak": common.mean_std([final_and_peak(run, validation)[1] for run in mine]),
-            # training-batch success (sampled at temperature 1): first and last 5 steps of each run
+            # training-batch success (sampled at the rollout temperature): first and last 5 steps of each run
             "train_success_first5": common.mean_std([window_mean(run, slice(None, 5)) for run in mine]),
             "train_success_last5": common.mean_std([window_mean(run, slice(-5, None)) for run in mine]),
+            f"train_success_minus_{PAIRED_BASELINE}_2nd_half": common.mean_std(gaps),
             "per_type_final": {key: common.mean_std(values) for key, values in sorted(per_type.items())},
             "steps_to_gain": steps_to,
             **{key: curve_mean(mine, key) for key in CURVE_KEYS},
@@ -488,7 +502,7 @@ def print_env(env: str, summary: dict[str, Any], plan: EnvPlan) -> None:
     print(f"\n== {env}: warm start " + ", ".join(f"{s} {v:.3f}" for s, v in starts.items()))
     extra = plan.eval_splits[1:]
     header = f"{'preset':<10}{validation + ' final':>20}{'peak':>16}" + "".join(f"{s + ' final':>20}" for s in extra)
-    header += f"{'train first5 → last5':>24}{'+0.1 at step':>14}{'hash singl.':>12}{'hidden singl.':>14}{'A≠0':>7}{'s/step':>8}"
+    header += f"{'train first5 → last5':>24}{'− ' + PAIRED_BASELINE + ' (paired)':>20}{'+0.1 at step':>14}{'hash singl.':>12}{'hidden singl.':>14}{'A≠0':>7}{'s/step':>8}"
     print(header)
     for preset, row in summary["presets"].items():
         fmt = lambda ms: f"{ms['mean']:.3f} ± {ms['std']:.3f}"  # noqa: E731
@@ -497,6 +511,7 @@ def print_env(env: str, summary: dict[str, Any], plan: EnvPlan) -> None:
         line = f"{preset:<10}{fmt(row['final'][validation]):>20}{fmt(row['peak']):>16}"
         line += "".join(f"{fmt(row['final'][s]):>20}" for s in extra)
         line += f"{row['train_success_first5']['mean']:.3f} → {row['train_success_last5']['mean']:.3f}".rjust(24)
+        line += f"{fmt(row[f'train_success_minus_{PAIRED_BASELINE}_2nd_half']):>20}"
         line += f"{reach_text:>14}{row['hash_singleton_rate']:>12.3f}{row['hidden_singleton_rate']:>14.3f}"
         line += f"{row['nonzero_advantage']:>7.2f}{row['seconds_per_step']:>8.1f}"
         print(line)
@@ -625,7 +640,9 @@ def main(argv=None):
         result["envs"][plan.env] = summary
         print_env(plan.env, summary, plan)
         plot_env(plan.env, summary, mine, out / f"learning_{plan.env}.png")
-    result["wall_seconds"] = time.perf_counter() - start
+    result["wall_seconds"] = time.perf_counter() - start  # of this invocation: runs reused by --resume cost ~0
+    # what every warm start and run took when it ran, summed (jobs in parallel overlap)
+    result["job_seconds"] = sum(warm["seconds"] for warm in warms) + sum(run["seconds"] for run in runs)
     name = "learning_study.json" if args.size in ("cpu", "quick") else f"learning_study_{args.size}.json"
     path = common.write_json(out / name, result)
     print(f"\nwrote {path} and learning_<env>.png in {result['wall_seconds'] / 60:.1f} min")

@@ -53,6 +53,8 @@ def test_learning_study(tmp_path):
         branches = sum(row[f"hidden_branch_{b}"] for b in ("pace", "loo", "singleton"))
         assert math.isclose(branches, 1.0, abs_tol=1e-6)
         assert row["hidden_eps"] >= 0 and row["advantage_std"] >= 0 and row["seconds_per_step"] > 0
+        assert -1.0 <= row["train_success_minus_grpo_2nd_half"]["mean"] <= 1.0
+    assert env["presets"]["grpo"]["train_success_minus_grpo_2nd_half"] == {"mean": 0.0, "std": 0.0, "n": 1}
     for run_ in env["runs"]:
         assert [r["step"] for r in run_["curve"]] == [1, 2, 3]
         assert [(e["split"], e["step"]) for e in run_["evals"]] == [("valid", 2), ("valid", 3)]
