@@ -526,7 +526,8 @@ def plot_env(env: str, summary: dict[str, Any], runs: list[dict[str, Any]], path
 
     validation = summary["validation_split"]
     start = next(e["success_rate"] for e in summary["warm_start"]["evals"] if e["split"] == validation)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    baseline = {run["seed"]: run for run in runs if run["preset"] == PAIRED_BASELINE}
     for preset in summary["presets"]:
         mine = [run for run in runs if run["preset"] == preset]
         steps = [0] + [e["step"] for e in mine[0]["evals"] if e["split"] == validation]
@@ -539,16 +540,35 @@ def plot_env(env: str, summary: dict[str, Any], runs: list[dict[str, Any]], path
             window = min(5, len(series))
             smooth = np.convolve(series, np.ones(window) / window, mode="valid")
             ax.plot(np.arange(window, len(series) + 1), smooth, color=line.get_color(), label=preset)
+        paired = [run for run in mine if run["seed"] in baseline]
+        if paired and preset != PAIRED_BASELINE:
+            gaps = np.array([[a["train_success"] - b["train_success"] for a, b in zip(run["curve"], baseline[run["seed"]]["curve"])]
+                             for run in paired])
+            window = min(5, gaps.shape[1])
+            smooth = np.array([np.convolve(g, np.ones(window) / window, mode="valid") for g in gaps])
+            x = np.arange(window, gaps.shape[1] + 1)
+            axes[0, 2].plot(x, smooth.mean(0), color=line.get_color(), label=preset)
+            axes[0, 2].fill_between(x, smooth.mean(0) - smooth.std(0), smooth.mean(0) + smooth.std(0),
+                                    color=line.get_color(), alpha=0.12)
     for key, style in (("hash_singleton_rate", "-"), ("hidden_singleton_rate", "--")):
         series = np.array([[row[key] for row in run["curve"]] for run in runs])
         mean, std = np.nanmean(series, 0), np.nanstd(series, 0)
         steps = np.arange(1, series.shape[1] + 1)
         axes[1, 0].plot(steps, mean, style, color="black", label=key.split("_")[0] + " partition")
         axes[1, 0].fill_between(steps, mean - std, mean + std, color="grey", alpha=0.2)
+    for branch, style in (("pace", "-"), ("loo", "--"), ("singleton", ":")):
+        for partition, color in (("hash", "black"), ("hidden", "tab:red")):
+            series = np.array([[row[f"{partition}_branch_{branch}"] for row in run["curve"]] for run in runs])
+            axes[1, 2].plot(np.arange(1, series.shape[1] + 1), np.nanmean(series, 0), style, color=color,
+                            label=f"{partition}: {branch}")
+    axes[0, 2].axhline(0.0, color="grey", lw=1)
     axes[0, 0].set(title=f"validation success ({validation}), mean ± std over seeds", xlabel="step")
     axes[0, 1].set(title="training-batch success (5-step mean)", xlabel="step")
+    axes[0, 2].set(title=f"training-batch success − {PAIRED_BASELINE}'s, same seed and tasks\n(5-step mean ± std over seeds)",
+                   xlabel="step")
     axes[1, 0].set(title="singleton rate on the same batches (all runs)", xlabel="step", ylim=(0, 1))
     axes[1, 1].set(title="steps with a non-zero advantage (5-step mean)", xlabel="step")
+    axes[1, 2].set(title="PACE-Q branch fractions on the same batches (all runs)", xlabel="step", ylim=(0, 1))
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
