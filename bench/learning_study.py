@@ -148,8 +148,9 @@ SIZES = {
     # TextCraft alone with a policy 17x the tiny env's (256 x 4, 2.7M parameters): 1,200
     # SFT steps (~21 min on 2 threads) win 44% of 48 training goals and 15% of 48
     # held-out ones. RL at lr 3e-4 lost ground in a 10-step pilot, at 1e-4 it moved within
-    # the evaluation's noise (docs/RESULTS.md, "A larger CPU policy on TextCraft"); a step
-    # costs ~11 s on 2 threads. Rollouts sample at 0.5 (--set temperature=0.5).
+    # the evaluation's noise; 30 steps x 3 seeds at 1e-4 did not lift any preset above the
+    # warm start (docs/RESULTS.md, "TextCraft: 5 presets x 3 seeds"). A step costs ~11 s on
+    # 2 threads. Rollouts sample at 0.5 (--set temperature=0.5).
     "cpu-textcraft": Size(
         envs={
             "textcraft": EnvPlan(
@@ -432,14 +433,19 @@ def window_mean(run: dict[str, Any], window: slice) -> float:
     return statistics.fmean(row["train_success"] for row in run["curve"][window])
 
 
-def paired_gap(run: dict[str, Any], baseline: dict[str, Any]) -> float:
-    """Mean over the second half of the steps of (run's − baseline's) training-batch success.
+def paired_differences(run: dict[str, Any], baseline: dict[str, Any]) -> list[float]:
+    """Step by step, run's − baseline's training-batch success.
 
     Runs with the same seed draw the same tasks at every step, so the difference removes
     how hard each step's tasks are, which dominates a 2-task batch's success.
     """
-    pairs = list(zip(run["curve"], baseline["curve"]))[len(run["curve"]) // 2:]
-    return statistics.fmean(a["train_success"] - b["train_success"] for a, b in pairs)
+    return [a["train_success"] - b["train_success"] for a, b in zip(run["curve"], baseline["curve"])]
+
+
+def paired_gap(run: dict[str, Any], baseline: dict[str, Any]) -> float:
+    """`paired_differences` averaged over the second half of the steps."""
+    differences = paired_differences(run, baseline)
+    return statistics.fmean(differences[len(differences) // 2:])
 
 
 def curve_mean(runs: list[dict[str, Any]], key: str) -> float:
@@ -543,8 +549,7 @@ def plot_env(env: str, summary: dict[str, Any], runs: list[dict[str, Any]], path
             ax.plot(np.arange(window, len(series) + 1), smooth, color=line.get_color(), label=preset)
         paired = [run for run in mine if run["seed"] in baseline]
         if paired and preset != PAIRED_BASELINE:
-            gaps = np.array([[a["train_success"] - b["train_success"] for a, b in zip(run["curve"], baseline[run["seed"]]["curve"])]
-                             for run in paired])
+            gaps = np.array([paired_differences(run, baseline[run["seed"]]) for run in paired])
             window = min(5, gaps.shape[1])
             smooth = np.array([np.convolve(g, np.ones(window) / window, mode="valid") for g in gaps])
             x = np.arange(window, gaps.shape[1] + 1)

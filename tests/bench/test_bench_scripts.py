@@ -55,6 +55,10 @@ def test_learning_study(tmp_path):
         assert row["hidden_eps"] >= 0 and row["advantage_std"] >= 0 and row["seconds_per_step"] > 0
         assert -1.0 <= row["train_success_minus_grpo_2nd_half"]["mean"] <= 1.0
     assert env["presets"]["grpo"]["train_success_minus_grpo_2nd_half"] == {"mean": 0.0, "std": 0.0, "n": 1}
+    success = {run_["preset"]: [r["train_success"] for r in run_["curve"]] for run_ in env["runs"]}  # one seed
+    grpo, gigpo = success["grpo"], success["gigpo"]
+    expected = ((gigpo[1] - grpo[1]) + (gigpo[2] - grpo[2])) / 2  # steps 2 and 3 of 3
+    assert math.isclose(env["presets"]["gigpo"]["train_success_minus_grpo_2nd_half"]["mean"], expected, abs_tol=1e-12)
     for run_ in env["runs"]:
         assert [r["step"] for r in run_["curve"]] == [1, 2, 3]
         assert [(e["split"], e["step"]) for e in run_["evals"]] == [("valid", 2), ("valid", 3)]
