@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .partition import Partition
-from .records import BatchLayout, segment_mean_std, segment_sum
-from .returns import EPS, discount_matrix
+from .records import BatchLayout, segment_mean_std, segment_reference, segment_sum
+from .returns import EPS, discounted_cumsum_grid
 
 __all__ = ["BaselineResult", "mean_baseline", "pace_q_baseline", "pace_diff_baseline", "gae_baseline", "grouped_gae", "BASELINES"]
 
@@ -77,6 +77,9 @@ def _action_subcells(partition: Partition, action_key: torch.Tensor):
 
 def _pace(returns, partition, action_key, norm, peer_mean_fn, fallback_when):
     cell = partition.cell
+    # Every PACE comparison is a difference of means within one cell, unchanged by a
+    # shift per cell; shifting by a member's return makes a cell of equal returns all 0.
+    returns = returns - segment_reference(returns, cell, partition.num_cells)[cell]
     count, mean, std = segment_mean_std(returns, cell, partition.num_cells)
     cell_sum = mean * count
     subcell, num_subcells, keys_per_cell = _action_subcells(partition, action_key)
@@ -156,10 +159,11 @@ def grouped_gae(
     _, value, _ = segment_mean_std(returns, cell, partition.num_cells)
     value_grid = layout.to_grid(value[cell])
     return_grid = layout.to_grid(returns)
-    next_value = torch.nn.functional.pad(value_grid[:, 1:], (0, 1))
-    next_return = torch.nn.functional.pad(return_grid[:, 1:], (0, 1))
-    delta = return_grid - gamma * next_return + gamma * next_value - value_grid
-    return layout.from_grid(delta @ discount_matrix(layout.max_length, gamma * lam, delta.dtype))
+    # δ_t = (R_t - V̄_t) - γ (R_{t+1} - V̄_{t+1}), the same sum grouped so that a cell
+    # whose returns all equal its mean contributes exactly 0
+    excess = return_grid - value_grid
+    delta = excess - gamma * torch.nn.functional.pad(excess[:, 1:], (0, 1))
+    return layout.from_grid(discounted_cumsum_grid(delta, gamma * lam))
 
 
 def gae_baseline(

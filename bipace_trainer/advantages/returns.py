@@ -1,17 +1,17 @@
 """Returns and the episode-level (GRPO) advantage: SPEC §2 and §3.
 
 All functions are pure and vectorised over the whole batch: no Python loop over
-steps or trajectories.
+trajectories or steps (the discounted sums take one vectorised update per turn index).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .records import BatchLayout, segment_mean_std, segment_sum
+from .records import BatchLayout, segment_mean_std
 
 __all__ = [
-    "discount_matrix",
+    "discounted_cumsum_grid",
     "discounted_cumsum",
     "step_returns",
     "episode_returns",
@@ -22,30 +22,35 @@ __all__ = [
 EPS = 1e-6  # the 1e-6 of every (x - mean) / (std + 1e-6) in the SPEC
 
 
-def discount_matrix(length: int, discount: float, dtype=torch.float64) -> torch.Tensor:
-    """Upper-triangular (T, T) matrix M with M[u, t] = discount**(u - t) for u >= t, else 0.
+def discounted_cumsum_grid(grid: torch.Tensor, discount: float) -> torch.Tensor:
+    """Reverse discounted cumulative sum along the last axis of `grid` (n, T):
+    y[:, t] = grid[:, t] + discount · y[:, t+1], y[:, T] = 0.
 
-    `x @ M` turns rows x (n, T) into their discounted reverse cumulative sums:
-    (x @ M)[:, t] = sum_{u >= t} discount**(u - t) x[:, u].
+    One vectorised update per turn (T is the longest trajectory, tens of turns), not a
+    matrix product: a BLAS product may round identical rows differently (block vs tail
+    rows), and identical trajectories must get bit-identical returns, or a group of equal
+    returns leaves a rounding residue the std normalisation blows up to ~1e-10.
     """
-    steps = torch.arange(length, dtype=dtype)
-    lag = steps[:, None] - steps[None, :]
-    return torch.where(lag >= 0, torch.as_tensor(discount, dtype=dtype) ** lag.clamp(min=0), torch.zeros((), dtype=dtype))
+    out = torch.empty_like(grid)
+    running = grid.new_zeros(grid.shape[0])
+    for t in range(grid.shape[1] - 1, -1, -1):
+        running = grid[:, t] + discount * running
+        out[:, t] = running
+    return out
 
 
 def discounted_cumsum(values: torch.Tensor, layout: BatchLayout, discount: float) -> torch.Tensor:
     """Per-trajectory reverse discounted sum y_t = x_t + discount · y_{t+1}, y_L = 0.
 
-    Computed as one (num_traj, T) @ (T, T) product on the padded grid, which is exact
-    (no division by discount**t) and linear in the number of trajectories.
+    Computed on the padded (num_traj, T) grid, all trajectories at once
+    (`discounted_cumsum_grid`); exact recursion, no division by discount**t.
 
     Args:
         values: (N,) float64 per-step values.
     Returns:
         (N,) float64, in the batch's step order.
     """
-    grid = layout.to_grid(values)
-    return layout.from_grid(grid @ discount_matrix(layout.max_length, discount, values.dtype))
+    return layout.from_grid(discounted_cumsum_grid(layout.to_grid(values), discount))
 
 
 def step_returns(
@@ -66,8 +71,14 @@ def step_returns(
 
 
 def episode_returns(reward: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-    """R^ep: undiscounted sum of env rewards per trajectory, (num_traj,) float64."""
-    return segment_sum(reward, layout.traj_index, layout.num_traj)
+    """R^ep: undiscounted sum of env rewards per trajectory, (num_traj,) float64.
+
+    Summed in turn order (the undiscounted return-to-go at t = 0), whatever the order of
+    the batch's rows: identical trajectories get bit-identical returns.
+    """
+    if layout.num_traj == 0 or layout.max_length == 0:
+        return reward.new_zeros(layout.num_traj)
+    return discounted_cumsum_grid(layout.to_grid(reward), 1.0)[:, 0]
 
 
 def _normalise(score, index, num_segments, norm, *, singleton_score):

@@ -14,13 +14,14 @@ from bipace_trainer.advantages import (
     factorize,
     hash_partition,
     hidden_partition,
+    PRESETS,
     resolve_settings,
     step_returns,
 )
 from bipace_trainer.advantages.baselines import grouped_gae, mean_baseline, pace_q_baseline
 from bipace_trainer.advantages.presets import EstimatorSettings
 
-from .strategies import step_lists, to_batch
+from .strategies import PROTOTYPES, step_lists, to_batch
 
 BASELINES = ["mean", "pace_q", "pace_diff", "gae"]
 
@@ -153,3 +154,34 @@ def test_invalid_penalty_hits_only_its_step():
 
 def test_factorize_assigns_ids_by_first_appearance():
     assert factorize(["b", "a", "b", "c"]).tolist() == [0, 1, 0, 2]
+
+
+@st.composite
+def copied_group(draw):
+    """One task group of G identical trajectories (same states, moves, rewards), beside
+    a random group: returns like 0.95^k repeat exactly, and float sums of them do not."""
+    length, copies = draw(st.integers(1, 6)), draw(st.integers(2, 8))
+    rewards = draw(st.lists(st.sampled_from([0.0, 1.0, 0.3, 0.7, 10.0]), min_size=length, max_size=length))
+    valid = draw(st.lists(st.sampled_from([True, True, False]), min_size=length, max_size=length))
+    steps = [  # a new state each turn (a state seen twice in one trajectory has two returns)
+        dict(group=99, traj=5000 + k, t=t, reward=rewards[t], valid=valid[t], anchor=f"copied-{t}",
+             key=f"act-{t % 2}", hidden=PROTOTYPES[t])
+        for k in range(copies)
+        for t in range(length)
+    ]
+    other = draw(step_lists(max_groups=1))
+    order = draw(st.permutations(range(len(steps) + len(other))))
+    merged = steps + other
+    return [merged[i] for i in order]
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps=copied_group(), preset=st.sampled_from(sorted(PRESETS)), gamma=st.sampled_from([0.9, 0.95, 0.99]))
+def test_a_group_of_identical_trajectories_gets_exactly_zero(steps, preset, gamma):
+    """Nothing tells identical trajectories apart, so every step gets exactly 0, not a
+    rounding residue: the trainer skips an update only when all advantages are 0."""
+    batch = to_batch(steps)
+    settings_ = resolve_settings(preset, gamma=gamma, invalid_penalty=0.1, cluster_eps=0.0)
+    advantage, _ = compute_advantages(batch, settings_)
+    copied = batch.group == batch.group[[s["group"] for s in steps].index(99)]
+    assert (advantage[copied] == 0).all(), advantage[copied]
