@@ -462,11 +462,12 @@ def summarise_env(plan: EnvPlan, warm: dict[str, Any], runs: list[dict[str, Any]
         mine = [run for run in runs if run["preset"] == preset]
         gaps = [paired_gap(run, baseline[run["seed"]]) for run in mine if run["seed"] in baseline]
         finals = {split: [final_and_peak(run, split)[0] for run in mine] for split in plan.eval_splits}
-        per_type: dict[str, list[float]] = {}
+        per_type: dict[str, dict[str, list[float]]] = {split: {} for split in plan.eval_splits}
         for run in mine:
-            final = [e for e in run["evals"] if e["split"] == validation][-1]
-            for key, value in final["per_type"].items():
-                per_type.setdefault(key, []).append(value)
+            for split in plan.eval_splits:
+                final = [e for e in run["evals"] if e["split"] == split][-1]
+                for key, value in (final["per_type"] or {}).items():
+                    per_type[split].setdefault(key, []).append(value)
         steps_to = {}
         for gain in GAINS:
             reached = [s for s in (steps_to_gain(run, validation, start + gain) for run in mine) if s is not None]
@@ -478,7 +479,11 @@ def summarise_env(plan: EnvPlan, warm: dict[str, Any], runs: list[dict[str, Any]
             "train_success_first5": common.mean_std([window_mean(run, slice(None, 5)) for run in mine]),
             "train_success_last5": common.mean_std([window_mean(run, slice(-5, None)) for run in mine]),
             f"train_success_minus_{PAIRED_BASELINE}_2nd_half": common.mean_std(gaps),
-            "per_type_final": {key: common.mean_std(values) for key, values in sorted(per_type.items())},
+            "per_type_final": {key: common.mean_std(values) for key, values in sorted(per_type[validation].items())},
+            "per_type_final_by_split": {
+                split: {key: common.mean_std(values) for key, values in sorted(types.items())}
+                for split, types in per_type.items()
+            },
             "steps_to_gain": steps_to,
             **{key: curve_mean(mine, key) for key in CURVE_KEYS},
             "seconds_per_step": statistics.fmean(run["timing"].get("step_time", math.nan) for run in mine),
@@ -522,6 +527,18 @@ def print_env(env: str, summary: dict[str, Any], plan: EnvPlan) -> None:
         line += f"{reach_text:>14}{row['hash_singleton_rate']:>12.3f}{row['hidden_singleton_rate']:>14.3f}"
         line += f"{row['nonzero_advantage']:>7.2f}{row['seconds_per_step']:>8.1f}"
         print(line)
+    for split in plan.eval_splits:
+        types = sorted({t for row in summary["presets"].values() for t in row["per_type_final_by_split"][split]})
+        if not types:
+            continue
+        warm = next(e for e in summary["warm_start"]["evals"] if e["split"] == split)["per_type"]
+        print(f"\n{split}, final success per task type (mean over seeds; warm start first)")
+        width = max(len(t) for t in types) + 2
+        print(f"{'preset':<10}" + "".join(f"{t:>{width}}" for t in types))
+        print(f"{'warm':<10}" + "".join(f"{warm.get(t, math.nan):>{width}.3f}" for t in types))
+        for preset, row in summary["presets"].items():
+            cells = row["per_type_final_by_split"][split]
+            print(f"{preset:<10}" + "".join(f"{cells[t]['mean'] if t in cells else math.nan:>{width}.3f}" for t in types))
 
 
 def plot_env(env: str, summary: dict[str, Any], runs: list[dict[str, Any]], path: Path) -> None:

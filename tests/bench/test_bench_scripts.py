@@ -43,10 +43,12 @@ def test_learning_study(tmp_path):
     env = result["envs"]["tiny"]
     assert all(is_rate(e["success_rate"]) for e in env["warm_start"]["evals"])
     assert set(env["presets"]) == PRESETS and "bipace_q" in printed
+    assert "valid, final success per task type" in printed
     for row in env["presets"].values():
         final, peak = row["final"]["valid"], row["peak"]
         assert final["n"] == 1 and is_rate(final["mean"]) and peak["mean"] >= final["mean"]
         assert set(row["per_type_final"]) <= {"1", "2", "3"} and row["per_type_final"]
+        assert row["per_type_final_by_split"] == {"valid": row["per_type_final"]}
         assert set(row["steps_to_gain"]) == {"+0.05", "+0.1", "+0.2"}
         for key in ("train_success", "hash_singleton_rate", "hidden_singleton_rate", "nonzero_advantage"):
             assert is_rate(row[key]), key
