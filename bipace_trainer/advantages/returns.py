@@ -1,7 +1,7 @@
 """Returns and the episode-level (GRPO) advantage: SPEC §2 and §3.
 
 All functions are pure and vectorised over the whole batch: no Python loop over
-trajectories or steps (the discounted sums take one vectorised update per turn index).
+trajectories or steps.
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ EPS = 1e-6  # the 1e-6 of every (x - mean) / (std + 1e-6) in the SPEC
 
 def discounted_cumsum_grid(grid: torch.Tensor, discount: float) -> torch.Tensor:
     """Reverse discounted cumulative sum along the last axis of `grid` (n, T):
-    y[:, t] = grid[:, t] + discount · y[:, t+1], y[:, T] = 0.
+    y[:, t] = sum_{u >= t} discount**(u - t) grid[:, u].
 
-    One vectorised update per turn (T is the longest trajectory, tens of turns), not a
-    matrix product: a BLAS product may round identical rows differently (block vs tail
-    rows), and identical trajectories must get bit-identical returns, or a group of equal
-    returns leaves a rounding residue the std normalisation blows up to ~1e-10.
+    A doubling scan: after the pass with offset k, y[:, t] sums the 2k values from t on,
+    so ceil(log2 T) elementwise passes cover every trajectory. Elementwise, so identical
+    rows give bit-identical sums: a BLAS product (x @ discount matrix) may round
+    identical rows differently (block vs tail rows), and a group of equal returns would
+    then leave a rounding residue that the std normalisation blows up to ~1e-10.
     """
-    out = torch.empty_like(grid)
-    running = grid.new_zeros(grid.shape[0])
-    for t in range(grid.shape[1] - 1, -1, -1):
-        running = grid[:, t] + discount * running
-        out[:, t] = running
+    out, offset = grid, 1
+    while offset < grid.shape[-1]:
+        shifted = torch.nn.functional.pad(out[:, offset:], (0, offset))
+        out = out + discount**offset * shifted
+        offset *= 2
     return out
 
 
@@ -43,7 +44,7 @@ def discounted_cumsum(values: torch.Tensor, layout: BatchLayout, discount: float
     """Per-trajectory reverse discounted sum y_t = x_t + discount · y_{t+1}, y_L = 0.
 
     Computed on the padded (num_traj, T) grid, all trajectories at once
-    (`discounted_cumsum_grid`); exact recursion, no division by discount**t.
+    (`discounted_cumsum_grid`), with no division by discount**t.
 
     Args:
         values: (N,) float64 per-step values.
