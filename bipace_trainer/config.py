@@ -55,6 +55,8 @@ class BiPACEConfig(GRPOConfig):
     tasks_per_iteration (`int`, 4): task groups per generation, over all processes; each is
         rolled out `num_generations` times (G). Sets `generation_batch_size`.
     train_split, eval_split (`str`): the env's task splits for training and evaluation.
+    train_tasks (`int`, 0): train on the first this-many tasks of `train_split` (0: all);
+        fewer tasks are each drawn more often in the same number of steps.
     eval_tasks (`int`, 32): evaluate on the first this-many tasks of `eval_split` (0: all).
     eval_rollouts_per_task (`int`, 1): evaluation rollouts of each task (more: less noise).
     eval_interval (`int`, 0): evaluate every this-many optimizer steps (0: only before and after).
@@ -121,6 +123,7 @@ class BiPACEConfig(GRPOConfig):
     )
     train_split: str = field(default="train", metadata={"help": "Env task split used for training."})
     eval_split: str = field(default="valid", metadata={"help": "Env task split used for evaluation."})
+    train_tasks: int = field(default=0, metadata={"help": "Train on the first k tasks of train_split (0: all)."})
     eval_tasks: int = field(default=32, metadata={"help": "Number of evaluation tasks (0: the whole split)."})
     eval_rollouts_per_task: int = field(default=1, metadata={"help": "Evaluation rollouts of each task."})
     eval_interval: int = field(default=0, metadata={"help": "Evaluate every k optimizer steps (0: before/after only)."})
@@ -178,6 +181,7 @@ class BiPACEConfig(GRPOConfig):
             (self.max_turns >= 1, "max_turns", "must be >= 1"),
             (self.history_length >= 0, "history_length", "must be >= 0 (0 = no history)"),
             (self.tasks_per_iteration >= 1, "tasks_per_iteration", "must be >= 1"),
+            (self.train_tasks >= 0, "train_tasks", "must be >= 0 (0 = the whole split)"),
             (self.eval_tasks >= 0, "eval_tasks", "must be >= 0 (0 = the whole split)"),
             (self.eval_rollouts_per_task >= 1, "eval_rollouts_per_task", "must be >= 1"),
             (self.eval_interval >= 0, "eval_interval", "must be >= 0 (0 = before/after training only)"),

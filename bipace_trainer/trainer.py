@@ -159,7 +159,7 @@ class BiPACETrainer(GRPOTrainer):
             raise TypeError(f"args must be a BiPACEConfig, got {type(args).__name__}.")
         self.env_class = resolve_env_class(args.env_name)
         if train_dataset is None:
-            train_dataset = task_dataset(args.env_name, args.train_split, args.env_kwargs)
+            train_dataset = task_dataset(args.env_name, args.train_split, args.env_kwargs, limit=args.train_tasks)
         super().__init__(
             model=model,
             reward_funcs=[env_reward],

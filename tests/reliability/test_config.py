@@ -21,6 +21,7 @@ BASE = dict(output_dir="unused", use_cpu=True, env_name="tiny")
         (dict(num_generations=1), "num_generations", ">= 2"),
         (dict(history_length=-1), "history_length", ">= 0"),
         (dict(max_turns=0), "max_turns", ">= 1"),
+        (dict(train_tasks=-1), "train_tasks", ">= 0"),
         (dict(tasks_per_iteration=3, num_generations=2, per_device_train_batch_size=4), "generation_batch_size",
          "per_device_train_batch_size"),
         (dict(preset="grpo", step_baseline="mean"), "baseline", "partition='hash' or 'hidden'"),

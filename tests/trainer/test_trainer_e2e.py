@@ -88,3 +88,18 @@ def test_kl_reference_and_off_policy_ratios(warm_policy, tmp_path):
     torch.testing.assert_close(batch["old_per_token_logps"][:rows][mask], batch["ref_per_token_logps"][:rows][mask])
     logged = [entry for entry in trainer.state.log_history if "kl" in entry]
     assert len(logged) == 2 and logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and logged[1]["kl"] > 0
+
+
+def test_train_tasks_trains_on_the_first_tasks_of_the_split(warm_policy, tmp_path):
+    from envs.base import resolve_env_class
+
+    model, tokenizer = warm_policy
+    args = tiny_args(tmp_path / "run", train_tasks=3, max_steps=1)
+    trainer = CapturingTrainer(model, args=args, processing_class=tokenizer)
+    trainer.captured = []
+    trainer.train()
+    first = [spec.task_id for spec in resolve_env_class("tiny").tasks("train", **args.env_kwargs)][:3]
+    assert trainer.train_dataset["task_id"] == first
+    rollout = trainer.captured[0][0]
+    assert {episode.task_id for episode in rollout.episodes} <= set(first)
+    trainer.close_envs()
