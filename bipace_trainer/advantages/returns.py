@@ -74,8 +74,9 @@ def step_returns(
 def episode_returns(reward: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
     """R^ep: undiscounted sum of env rewards per trajectory, (num_traj,) float64.
 
-    Summed in turn order (the undiscounted return-to-go at t = 0), whatever the order of
-    the batch's rows: identical trajectories get bit-identical returns.
+    Summed along each trajectory's row of the (num_traj, T) grid (the undiscounted
+    return-to-go at t = 0), whatever the order of the batch's rows: identical
+    trajectories get bit-identical returns.
     """
     if layout.num_traj == 0 or layout.max_length == 0:
         return reward.new_zeros(layout.num_traj)
