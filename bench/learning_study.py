@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python bench/learning_study.py --quick           # CI size: tiny env, 1 seed (~1 min)
     OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-envs   # TextCraft + ALFWorld, tiny model (see below)
     OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-textcraft  # TextCraft, 256 x 4 model
+    OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-alfworld   # ALFWorld, 256 x 4 model
     python bench/learning_study.py --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
 
 Per env:
@@ -28,7 +29,7 @@ its tiny model learns the reply format but solves no task after SFT, so RL has n
 to compare (docs/RESULTS.md). `cpu-textcraft` runs a 256 x 4 policy on TextCraft alone:
 its warm start wins 44% of training goals and 15% of held-out ones (~2 h for the study
 on 2 cores). `cpu-alfworld` gives ALFWorld the same policy (warm start: 8% / 4% of
-held-out games; `--warm-only` stops there). `cuda` starts from a pretrained instruct model.
+held-out games; `--warm-only` stops there) and 10 RL steps per run (~2 h for 15 runs). `cuda` starts from a pretrained instruct model.
 ALFWorld's engine is deterministic and slow (resets ~1 s, steps 60-200 ms), so its
 episodes are served through an exact transition memo that all runs share
 (`common.MemoEnv`): the agent reads what the engine says, each transition is computed once.
@@ -165,12 +166,15 @@ SIZES = {
     ),
     # ALFWorld with the same 256 x 4 policy: 240 generated training games (40 per task
     # type), two expert-ish episodes each, 15 turns (the expert needs up to ~12 on them).
+    # Its warm start wins 8% / 4% of held-out games. RL is 10 steps: a step is 16 episodes
+    # of up to 15 engine turns and ~240 samples, ~60 s on one core, so the 15 runs of the
+    # comparison take ~2 h with 2 jobs (docs/RESULTS.md, "ALFWorld"); that is all they show.
     "cpu-alfworld": Size(
         envs={
             "alfworld": EnvPlan(
                 "alfworld", ("valid_unseen", "valid_seen"), env_kwargs={"train_games_per_type": 40, "eval_games_per_type": 8},
                 memo=True, expert_prob=0.8, episodes_per_task=2, sft_steps=1200, sft_batch_size=16,
-                sft_learning_rate=1e-3, rl_steps=30, tasks_per_iteration=2, num_generations=8, max_turns=15,
+                sft_learning_rate=1e-3, rl_steps=10, tasks_per_iteration=2, num_generations=8, max_turns=15,
                 eval_interval=10,
             ),
         },
