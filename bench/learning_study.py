@@ -29,7 +29,8 @@ its tiny model learns the reply format but solves no task after SFT, so RL has n
 to compare (docs/RESULTS.md). `cpu-textcraft` runs a 256 x 4 policy on TextCraft alone:
 its warm start wins 44% of training goals and 15% of held-out ones (~2 h for the study
 on 2 cores). `cpu-alfworld` gives ALFWorld the same policy (warm start: 8% / 4% of
-held-out games; `--warm-only` stops there) and 10 RL steps per run (~2 h for 15 runs). `cuda` starts from a pretrained instruct model.
+held-out games; `--warm-only` stops there) and 10 RL steps per run (~2 h for 15 runs).
+`cuda` starts from a pretrained instruct model.
 ALFWorld's engine is deterministic and slow (resets ~1 s, steps 60-200 ms), so its
 episodes are served through an exact transition memo that all runs share
 (`common.MemoEnv`): the agent reads what the engine says, each transition is computed once.
