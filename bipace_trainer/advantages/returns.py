@@ -78,8 +78,8 @@ def episode_returns(reward: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
     return-to-go at t = 0), whatever the order of the batch's rows: identical
     trajectories get bit-identical returns.
     """
-    if layout.num_traj == 0 or layout.max_length == 0:
-        return reward.new_zeros(layout.num_traj)
+    if layout.max_length == 0:  # no steps, hence no trajectories
+        return reward.new_zeros(0)
     return discounted_cumsum_grid(layout.to_grid(reward), 1.0)[:, 0]
 
 
