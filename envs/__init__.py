@@ -22,6 +22,7 @@ from .vector import VectorEnv
 register_env("textcraft", lazy_module="envs.textcraft")
 register_env("scienceworld", lazy_module="envs.scienceworld")
 register_env("alfworld", lazy_module="envs.alfworld")
+register_env("webshop", lazy_module="envs.webshop")
 
 __all__ = [
     "EnvUnavailableError",
