@@ -11,7 +11,8 @@ Map from SPEC to code:
                                gae_baseline
     §4 combination, presets    presets.PRESETS, presets.resolve_settings,
                                presets.compute_advantages, presets.StepAdvantageEstimator
-    §5 diagnostics             the dict returned by compute_advantages
+    §5 diagnostics             the dict returned by compute_advantages; per step (return,
+                               cell, PACE branch): presets.estimate_advantages
 """
 
 from .baselines import BASELINES
@@ -20,7 +21,9 @@ from .presets import (
     PRESETS,
     EstimatorSettings,
     StepAdvantageEstimator,
+    StepEstimate,
     compute_advantages,
+    estimate_advantages,
     register_preset,
     resolve_settings,
 )
@@ -35,8 +38,10 @@ __all__ = [
     "Partition",
     "StepAdvantageEstimator",
     "StepBatch",
+    "StepEstimate",
     "calibrate_eps",
     "compute_advantages",
+    "estimate_advantages",
     "episode_advantage",
     "episode_returns",
     "factorize",

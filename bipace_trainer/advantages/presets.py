@@ -40,6 +40,8 @@ __all__ = [
     "register_preset",
     "resolve_settings",
     "compute_advantages",
+    "estimate_advantages",
+    "StepEstimate",
     "StepAdvantageEstimator",
 ]
 
@@ -212,6 +214,26 @@ def _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, 
     return diag
 
 
+@dataclass
+class StepEstimate:
+    """A batch's advantages and, per step, what produced them (for trajectory logs).
+
+    Attributes:
+        advantage: (N,) float32, A_i = w_ep A^ep_i + w_step A^s_i.
+        diagnostics: flat dict of floats (SPEC §5).
+        step_return: (N,) float64 return-to-go R_t with the invalid-action penalty (SPEC §2).
+        cell: (N,) int64 cell of the state partition, or None without a step term.
+        branch: (N,) int64 PACE branch (`BRANCH_PACE`, `BRANCH_LOO`, `BRANCH_SINGLETON`),
+            or None for the other baselines.
+    """
+
+    advantage: torch.Tensor
+    diagnostics: dict[str, float]
+    step_return: torch.Tensor | None = None
+    cell: torch.Tensor | None = None
+    branch: torch.Tensor | None = None
+
+
 def compute_advantages(
     batch: StepBatch, settings: EstimatorSettings, *, cluster_eps: float | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -227,6 +249,19 @@ def compute_advantages(
         advantages: (N,) float32, A_i = w_ep A^ep_i + w_step A^s_i.
         diagnostics: flat dict of floats (advantage stats, cell stats, PACE branches, timings).
     """
+    estimate = _estimate(batch, settings, cluster_eps, per_step=False)
+    return estimate.advantage, estimate.diagnostics
+
+
+def estimate_advantages(
+    batch: StepBatch, settings: EstimatorSettings, *, cluster_eps: float | None = None
+) -> StepEstimate:
+    """`compute_advantages` plus each step's return, cell and PACE branch (`StepEstimate`);
+    the advantages are the very same tensor values."""
+    return _estimate(batch, settings, cluster_eps, per_step=True)
+
+
+def _estimate(batch: StepBatch, settings: EstimatorSettings, cluster_eps: float | None, per_step: bool) -> StepEstimate:
     start = time.perf_counter()
     layout = BatchLayout.from_batch(batch)
     ep_adv = episode_advantage(
@@ -238,7 +273,7 @@ def compute_advantages(
         invalid_penalty=settings.invalid_penalty,
     )
     step_adv = torch.zeros_like(ep_adv)
-    partition, step_result, eps = None, None, None
+    partition, step_result, eps, returns = None, None, None, None
     partition_seconds = 0.0
     if settings.has_step_term and len(batch):
         eps = cluster_eps if cluster_eps is not None else settings.cluster_eps
@@ -263,7 +298,14 @@ def compute_advantages(
     diagnostics = _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, eps)
     diagnostics["time/partition_s"] = partition_seconds
     diagnostics["time/estimator_s"] = time.perf_counter() - start
-    return advantage.to(torch.float32), diagnostics
+    estimate = StepEstimate(advantage.to(torch.float32), diagnostics)
+    if per_step:
+        if returns is None:  # no step term computed them
+            returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, settings.invalid_penalty)
+        estimate.step_return = returns
+        estimate.cell = partition.cell if partition is not None else None
+        estimate.branch = step_result.branch if step_result is not None else None
+    return estimate
 
 
 class StepAdvantageEstimator:
@@ -306,6 +348,14 @@ class StepAdvantageEstimator:
     def __call__(
         self, batch: StepBatch, reduce: Callable[[float], float] | None = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        estimate = self._run(batch, reduce, per_step=False)
+        return estimate.advantage, estimate.diagnostics
+
+    def estimate(self, batch: StepBatch, reduce: Callable[[float], float] | None = None) -> StepEstimate:
+        """The same call, returning each step's return, cell and PACE branch too (`StepEstimate`)."""
+        return self._run(batch, reduce, per_step=True)
+
+    def _run(self, batch: StepBatch, reduce: Callable[[float], float] | None, per_step: bool) -> StepEstimate:
         calibration_seconds = 0.0
         if self.needs_calibration:
             start = time.perf_counter()
@@ -313,9 +363,9 @@ class StepAdvantageEstimator:
             calibration_seconds = time.perf_counter() - start
         self.num_calls += 1
         eps = self.cluster_eps if self.cluster_eps is not None else self.settings.max_cluster_eps
-        advantages, diagnostics = compute_advantages(batch, self.settings, cluster_eps=eps)
-        diagnostics["time/calibration_s"] = calibration_seconds
-        return advantages, diagnostics
+        estimate = _estimate(batch, self.settings, eps, per_step)
+        estimate.diagnostics["time/calibration_s"] = calibration_seconds
+        return estimate
 
     def state_dict(self) -> dict[str, Any]:
         return {"cluster_eps": self.cluster_eps, "num_calls": self.num_calls}
