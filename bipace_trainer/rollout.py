@@ -112,6 +112,7 @@ class StepRecord:
     reward: float
     done: bool
     won: bool
+    observation: str = ""  # what the env showed the agent before this step
     hidden: torch.Tensor | None = None
 
 
@@ -128,6 +129,7 @@ class Episode:
     truncated: bool = False  # the turn budget ended it
     invalid_steps: int = 0
     failure: str = ""
+    task: str = ""  # the task text the env gave at reset
 
 
 @dataclass
@@ -203,6 +205,8 @@ def run_rollouts(
     current = envs.reset([task.task_id for task in tasks]) if n else []
     seconds["env"] += time.perf_counter() - start
     task_text = [(r.info or {}).get("task", "") if r is not None else "" for r in current]
+    for episode, text in zip(episodes, task_text):
+        episode.task = text
     history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
     done = [False] * n
     for i, result in enumerate(current):
@@ -271,6 +275,7 @@ def run_rollouts(
                     valid=reply.valid,
                     action_key=key,
                     anchor=current[i].anchor,
+                    observation=current[i].observation,
                     reward=reward,
                     done=failed or result.done,
                     won=not failed and result.won,
