@@ -29,13 +29,21 @@ reset, inside that call's time budget (a ScienceWorld env starts its JVM there).
 env whose dependency is missing (`EnvUnavailableError`) is a setup error, not a
 failure: reset raises it.
 
+Rewards beyond +-MAX_ABS_REWARD are a bad result too: the estimator squares them in
+float32, where 1e39 is already infinite. An env that calls `sys.exit()` fails its
+episode like one that raises.
+
 Backends:
-- "serial": one env after another in the calling thread. Exceptions and bad results
-  are caught; `step_timeout` cannot be enforced (no second thread to watch).
+- "serial" (the default): one env after another. With a `step_timeout` the calls run
+  on one helper thread that the calling thread watches, so a hang past the timeout
+  ends its episode exactly as in "thread"; with `step_timeout=None` they run in the
+  calling thread itself (for engines that must stay on the main thread).
 - "thread": a pool of daemon threads. Suits engines that wait on another process
   (ScienceWorld's JVM), since the GIL is released while waiting. A call past the
-  timeout is abandoned with its env (the stuck thread is replaced, and closes that
-  env if it ever returns); the env is rebuilt for the next reset.
+  timeout is abandoned with its env: the stuck thread gets an exception raised into
+  it (which stops a busy Python loop; a call blocked in C code stops when it returns),
+  a replacement thread takes its place, and the env is closed and rebuilt for the
+  next reset.
 - "process": `num_workers` worker processes (started with "spawn", so no state is
   inherited and CUDA or threads in the trainer are safe), env i living in worker
   i % num_workers and each worker running its envs one after another. A worker whose
@@ -44,11 +52,13 @@ Backends:
   ("worker_restarted"), so give each env its own worker (num_workers=num_envs)
   when isolation matters more than memory. The env must be given by registry name,
   dotted path, or a picklable class or factory. Workers end with `close()`, when
-  the VectorEnv is garbage collected, and at interpreter exit.
+  the VectorEnv is garbage collected, and at interpreter exit; a worker whose parent
+  process died (even by SIGKILL) exits within a second.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import math
@@ -74,6 +84,7 @@ FAILURE_ANCHOR = "<env failure>"
 BACKENDS = ("serial", "thread", "process")
 _MAX_REASON_CHARS = 300
 ENORMOUS_FACTOR = 8  # observations beyond 8 x max_observation_chars end the episode as failed
+MAX_ABS_REWARD = 1e6  # larger rewards end the episode as failed: squared in float32 they overflow
 _MAX_RECORDED_FAILURES = 1000
 # A spawned worker imports the env's module before it can take calls; that time is
 # not charged to the first call's `step_timeout`, but a worker that never starts is.
@@ -158,6 +169,8 @@ def sanitize_result(result: Any, max_observation_chars: int) -> StepResult:
         raise ValueError(f"reward {result.reward!r} is not a number") from None
     if not math.isfinite(reward):
         raise ValueError(f"reward is {reward}")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"reward {reward:g} is beyond +-{MAX_ABS_REWARD:g}; scale the env's rewards down")
     actions = result.admissible_actions
     if actions is not None:
         if isinstance(actions, (str, bytes)) or not hasattr(actions, "__iter__"):
@@ -202,11 +215,11 @@ class _Slot:
                 self.env = self.factory()
             except EnvUnavailableError as err:
                 return _Unavailable("unavailable", str(err))
-            except Exception as err:
+            except (Exception, SystemExit) as err:
                 return _CallFailure("build_error", _short(f"{type(err).__name__}: {err}"))
         try:
             raw = getattr(self.env, method)(arg)
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # an engine calling sys.exit() must not end the training run
             self.discard()
             return _CallFailure("exception", _short(f"{method} raised {type(err).__name__}: {err}"))
         try:
@@ -235,6 +248,15 @@ class _Job:
         self.on_abandoned = on_abandoned
         self.future: Future = Future()
         self.started_at: float | None = None
+        self.thread_id: int | None = None
+
+
+class _Abandoned(BaseException):
+    """Raised into a thread whose call ran past the timeout, to stop a busy loop."""
+
+
+def _interrupt_thread(thread_id: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(_Abandoned))
 
 
 class _DaemonThreadPool:
@@ -242,7 +264,8 @@ class _DaemonThreadPool:
 
     `concurrent.futures.ThreadPoolExecutor` joins its threads at interpreter exit, so
     one env hung forever would hang the program's exit; these are daemon threads, and
-    `abandon` starts a replacement so the pool keeps its size.
+    `abandon` starts a replacement so the pool keeps its size. An abandoned thread gets
+    `_Abandoned` raised into it, so a busy loop in the env stops burning a core.
     """
 
     def __init__(self, num_threads: int):
@@ -267,26 +290,34 @@ class _DaemonThreadPool:
             if job.future.done():
                 return False
             self._abandoned.add(job)
+            if job.thread_id is not None:
+                _interrupt_thread(job.thread_id)
         self._start_thread()
         return True
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            job.started_at = time.monotonic()
-            try:
-                value = job.fn()
-            except BaseException as err:  # e.g. an engine calling sys.exit(): fail the call, keep the thread
-                value = _CallFailure("exception", _short(f"{type(err).__name__}: {err}"))
-            with self._lock:
-                job.future.set_result(value)
-                retired = job in self._abandoned
-                self._abandoned.discard(job)
-            if retired:  # a replacement thread already took this one's place
+        job = None
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                job.thread_id = threading.get_ident()
+                job.started_at = time.monotonic()
+                try:
+                    value = job.fn()
+                except BaseException as err:  # e.g. an engine calling sys.exit(): fail the call, keep the thread
+                    value = _CallFailure("exception", _short(f"{type(err).__name__}: {err}"))
+                with self._lock:
+                    job.future.set_result(value)
+                    retired = job in self._abandoned
+                    self._abandoned.discard(job)
+                if retired:  # a replacement thread already took this one's place
+                    job.on_abandoned()
+                    return
+        except _Abandoned:  # arrived just after the call returned: this thread is retired all the same
+            if job is not None:
                 job.on_abandoned()
-                return
 
     def shutdown(self) -> None:
         for _ in range(self._num_threads):
@@ -296,6 +327,7 @@ class _DaemonThreadPool:
 def _worker_main(conn, factory: _EnvFactory, env_indices: list[int], max_observation_chars: int) -> None:
     """Worker process loop: receive (method, [(env index, arg), ...]), send one (index, outcome) per call."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the workers
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     slots = {index: _Slot(factory, max_observation_chars) for index in env_indices}
     try:
         conn.send("ready")
@@ -321,6 +353,14 @@ def _worker_main(conn, factory: _EnvFactory, env_indices: list[int], max_observa
             slot.discard()
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit the worker when its parent is gone: a SIGKILLed trainer cannot close its workers,
+    and a worker busy in a hung env would not notice the closed pipe."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 class _Worker:
     """A worker process, its pipe, and the calls it still owes in the current batch."""
 
@@ -339,6 +379,7 @@ class _Worker:
         self.ready = False  # the worker has imported what it needs and said so
         self.owed: list[int] = []  # env indices in the order the worker runs them
         self.current_since = 0.0  # when the worker started on owed[0]
+        self.asked_to_stop = False
 
     def overdue(self, step_timeout: float | None, now: float) -> str | None:
         """Why the worker is late on its current call, or None."""
@@ -355,12 +396,17 @@ class _Worker:
             return self.started_at + _WORKER_START_TIMEOUT
         return None if step_timeout is None else self.current_since + step_timeout
 
-    def stop(self, grace: float = 2.0) -> None:
-        if self.process.is_alive():
+    def ask_to_stop(self) -> None:
+        if self.process.is_alive() and not self.asked_to_stop:
+            self.asked_to_stop = True
             try:
                 self.conn.send(None)
             except OSError:
                 pass
+
+    def stop(self, grace: float = 2.0) -> None:
+        if self.process.is_alive():
+            self.ask_to_stop()
             self.process.join(grace)
         if self.process.is_alive():
             self.process.kill()
@@ -369,6 +415,8 @@ class _Worker:
 
 
 def _shutdown(slots: list[_Slot], pool: _DaemonThreadPool | None, workers: list[_Worker]) -> None:
+    for worker in workers:  # ask all at once, then wait: the workers close their envs in parallel
+        worker.ask_to_stop()
     for worker in workers:
         worker.stop()
     if pool is not None:
@@ -389,7 +437,7 @@ class VectorEnv:
         num_workers: threads or processes; default min(num_envs, 32) threads or
             min(num_envs, cpu count) processes. Ignored by "serial".
         step_timeout: seconds one reset or step may take before its episode fails
-            (None: wait forever). Not enforced by "serial".
+            (None: wait forever; "serial" then runs the envs in the calling thread).
         max_observation_chars: longer observations are cut, with a note.
     """
 
@@ -447,7 +495,7 @@ class VectorEnv:
         else:
             self.num_workers = 1 if backend == "serial" else min(num_envs, num_workers or 32)
             self._slots = [_Slot(self._factory, max_observation_chars) for _ in range(num_envs)]
-            if backend == "thread":
+            if backend == "thread" or step_timeout is not None:  # serial: one watched helper thread
                 self._pool = _DaemonThreadPool(self.num_workers)
         self._finalizer = weakref.finalize(self, _shutdown, self._slots, self._pool, self._workers)
 
@@ -504,12 +552,12 @@ class VectorEnv:
         if not self._finalizer.alive:
             raise RuntimeError("VectorEnv is closed; build a new one.")
         start = time.perf_counter()
-        if self.backend == "serial":
-            outcomes = {i: self._slots[i].call(method, arg) for i, arg in calls.items()}
-        elif self.backend == "thread":
+        if self.backend == "process":
+            outcomes = self._run_processes(method, calls)
+        elif self._pool is not None:  # "thread", or "serial" with a timeout to enforce
             outcomes = self._run_threads(method, calls)
         else:
-            outcomes = self._run_processes(method, calls)
+            outcomes = {i: self._slots[i].call(method, arg) for i, arg in calls.items()}
         self._seconds[method] += time.perf_counter() - start
         self._calls[method] += len(calls)
         unavailable = [outcome for outcome in outcomes.values() if isinstance(outcome, _Unavailable)]

@@ -5,14 +5,19 @@ from __future__ import annotations
 import gc
 import math
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from envs import EnvUnavailableError, StepResult, TinyEnv, VectorEnv
-from envs.vector import FAILURE_ANCHOR, sanitize_result
+from envs.vector import FAILURE_ANCHOR, MAX_ABS_REWARD, sanitize_result
 
 TIMEOUT = 1.0
 
@@ -31,6 +36,14 @@ class FlakyEnv(TinyEnv):
             time.sleep(60)
         if action == "die":
             os._exit(3)
+        if action == "exit":
+            sys.exit(3)
+        if action == "busy":  # a runaway engine loop, holding a core
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pass
+        if action == "huge-reward":
+            return StepResult("fine", reward=1e39)
         if action == "nan":
             return StepResult("fine", reward=math.nan)
         if action == "not-text":
@@ -134,12 +147,69 @@ def test_enormous_observations_end_the_episode_as_failed():
 
 
 @given(st.floats(allow_nan=True, allow_infinity=True))
-def test_sanitize_rejects_exactly_the_non_finite_rewards(reward):
-    if math.isfinite(reward):
+def test_sanitize_rejects_exactly_the_non_finite_and_huge_rewards(reward):
+    if math.isfinite(reward) and abs(reward) <= MAX_ABS_REWARD:
         assert sanitize_result(StepResult("o", reward=reward), 100).reward == reward
     else:
         with pytest.raises(ValueError, match="reward"):
             sanitize_result(StepResult("o", reward=reward), 100)
+
+
+def test_the_default_serial_backend_enforces_the_step_timeout():
+    with VectorEnv(FlakyEnv, 3, step_timeout=TIMEOUT) as vec:
+        assert vec.backend == "serial"
+        vec.reset([2] * 3)
+        start = time.monotonic()
+        results = vec.step(["right", "hang", "right"])
+        assert time.monotonic() - start < TIMEOUT + 1.5
+        _assert_failed(results[1], "timeout")
+        _assert_healthy(vec, results, [0, 2])
+        # one env after another, still: the next batch runs on the replacement thread
+        assert all(r.observation.startswith("You are at cell 0.") for r in vec.reset([2] * 3))
+    with VectorEnv(FlakyEnv, 1, step_timeout=None) as vec:  # no timeout: the calling thread runs the env
+        vec.reset([2])
+        assert vec._pool is None and vec.step(["right"])[0].observation.startswith("You moved right.")
+
+
+@pytest.mark.parametrize("backend", ["serial", "thread", "process"])
+def test_an_env_calling_sys_exit_fails_its_episode_only(backend):
+    with VectorEnv(FlakyEnv, 2, backend=backend, num_workers=2, step_timeout=5.0) as vec:
+        vec.reset([2, 2])
+        results = vec.step(["exit", "right"])
+        _assert_failed(results[0], "exception")
+        assert "SystemExit" in results[0].info["env_failure"]
+        _assert_healthy(vec, results, [1])
+    with VectorEnv(FlakyEnv, 1, step_timeout=None) as vec:  # in the calling thread too
+        vec.reset([2])
+        _assert_failed(vec.step(["exit"])[0], "exception")
+
+
+def test_a_huge_finite_reward_fails_its_episode():
+    with VectorEnv(FlakyEnv, 2) as vec:
+        vec.reset([2, 2])
+        results = vec.step(["huge-reward", "right"])
+    _assert_failed(results[0], "bad_result")
+    assert "beyond" in results[0].info["env_failure"]
+    _assert_healthy(vec, results, [1])
+
+
+def _pool_threads() -> int:
+    return sum(t.name == "VectorEnv-worker" and t.is_alive() for t in threading.enumerate())
+
+
+def test_an_abandoned_busy_thread_stops_burning_cpu():
+    earlier = _pool_threads()  # threads other tests abandoned in a sleep, which no exception interrupts
+    with VectorEnv(FlakyEnv, 1, backend="thread", step_timeout=TIMEOUT) as vec:
+        vec.reset([2])
+        _assert_failed(vec.step(["busy"])[0], "timeout")
+        deadline = time.monotonic() + 3.0
+        while _pool_threads() > earlier + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the stuck thread ended long before its 60 s loop would; its replacement is left
+        assert _pool_threads() <= earlier + 1
+        start = time.process_time()
+        time.sleep(0.5)
+        assert time.process_time() - start < 0.2  # nothing is spinning any more
 
 
 def test_unavailable_engine_is_raised_not_counted():
@@ -234,6 +304,56 @@ def test_process_backend_reports_episodes_lost_with_a_killed_worker():
         _assert_failed(later[2], "worker_restarted")
         assert vec.failure_counts == {"timeout": 1, "worker_restarted": 2}
         assert all(r.observation == "You are at cell 0. The goal is cell 3, to your right." for r in vec.reset([2] * 6))
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tests.envs.test_vector import FlakyEnv
+from envs import VectorEnv
+if __name__ == "__main__":
+    vec = VectorEnv("tests.envs.test_vector:FlakyEnv", 2, backend="process", num_workers=2, step_timeout=None)
+    vec.reset([2, 2])
+    print(*[w.process.pid for w in vec._workers], flush=True)
+    vec.step(["hang", None])  # worker 0 busy in a hung env, worker 1 idle
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead: only its parent's wait is missing
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
+
+
+@pytest.mark.slow
+def test_process_workers_exit_when_the_trainer_is_sigkilled(tmp_path):
+    root = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHAN_SCRIPT.format(root=root))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5.0
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_idle_process_workers_close_quickly():
+    vec = VectorEnv("tiny", 4, backend="process", num_workers=4)
+    vec.reset([0, 1, 2, 3])
+    start = time.monotonic()
+    vec.close()
+    assert time.monotonic() - start < 2.0
 
 
 @pytest.mark.slow
