@@ -51,9 +51,10 @@ signal (it scales it by 10). Either way `won` is reward == 1 and `info["score"]`
 `info["score_components"]` (r_type, r_att, r_option, r_price) come with the purchase.
 
 Expert (`expert_action`): search for the instruction's key words (the instruction without its
-opening words and price bound), open the target product when a results page lists it (paging
-on through the 50 results otherwise), click the goal's option values, buy. If the target is not
-among the results it buys the first product of the last page with the goal's options. On the
+opening words and price bound), open the target product when a results page of that search
+lists it (paging on through the 50 results otherwise; results of another search send it back to
+the search page), click the goal's option values, buy. If the target is not among the results it
+buys the first product of the last page with the goal's options. On the
 generated shop it wins >= 95% of the tasks (a test checks a sample; bench/envs.py prints it).
 """
 
@@ -341,12 +342,19 @@ class WebShopEnv(TextEnv):
         if "next >" in clickables:  # a results page
             if target in clickables:
                 return f"click[{target}]"
+            if _joined(session.get("keywords")) != search_keywords(self.task).lower():
+                return "click[back to search]"  # the agent's own search: make the expert's
             products = [c for c in clickables if c not in _PAGE_BUTTONS]
             if products:
                 return f"click[{products[0]}]" if self._fallback else "click[next >]"
             self._fallback = True  # past the last result: the target is not among them
             return "click[< prev]" if "< prev" in clickables else "click[back to search]"
         return "click[< prev]"  # a sub page
+
+
+def _joined(keywords: str | list[str] | None) -> str:
+    """A session's search keywords as one string (WebShop keeps them as a list of words)."""
+    return " ".join(keywords.split() if isinstance(keywords, str) else keywords or [])
 
 
 def _normalize_action(action: str) -> str:
