@@ -68,6 +68,14 @@ class BiPACEConfig(GRPOConfig):
     require_think (`bool`, False): a reply without `<think>…</think>` counts as invalid.
     action_key_tokens (`int`, 0): key actions on their first k completion tokens instead of
         the normalised action text (0).
+
+    > Parameters that control what a run records (docs/RECIPES.md, "Reading a run")
+
+    rollout_dump_steps (`int`, 0): every this-many optimizer steps, write that step's
+        episodes to `<output_dir>/rollouts/step-000010.jsonl` (one line per episode, turns in
+        order), and every evaluation's to `rollouts/eval-<tag>-step-….jsonl`; 0: never.
+        Read them with `python -m bipace_trainer.show`. TRL's `log_completions` fills its
+        completions table with one row per env step.
     """
 
     # Estimator
@@ -136,6 +144,12 @@ class BiPACEConfig(GRPOConfig):
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})
 
+    # What a run records
+    rollout_dump_steps: int = field(
+        default=0,
+        metadata={"help": "Every k optimizer steps write the episodes to <output_dir>/rollouts/step-<k>.jsonl (0: never)."},
+    )
+
     def __post_init__(self):
         self._check_rollout_fields()
         self._check_env()
@@ -189,6 +203,7 @@ class BiPACEConfig(GRPOConfig):
             (self.env_step_timeout > 0, "env_step_timeout", "must be > 0 seconds"),
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),
+            (self.rollout_dump_steps >= 0, "rollout_dump_steps", "must be >= 0 (0 = no rollout dumps)"),
             (self.env_backend in ("serial", "thread", "process"), "env_backend", "must be serial, thread or process"),
             (self.hidden_capture in ("hook", "forward"), "hidden_capture", "must be hook or forward"),
         ]

@@ -44,6 +44,7 @@ from envs.vector import VectorEnv
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .hidden import PrefillCapture, forward_hidden_states, resolve_layer_module
+from . import trajectories
 from .rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
 
 __all__ = ["BiPACETrainer", "task_dataset", "env_reward"]
@@ -304,7 +305,8 @@ class BiPACETrainer(GRPOTrainer):
         rollout_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        advantages, diagnostics = self.estimator(rollout.step_batch(), reduce=self._mean_over_ranks)
+        estimate = self.estimator.estimate(rollout.step_batch(), reduce=self._mean_over_ranks)
+        advantages, diagnostics = estimate.advantage, estimate.diagnostics
         estimator_seconds = time.perf_counter() - start
         if not torch.isfinite(advantages).all():
             raise FloatingPointError(
@@ -323,6 +325,7 @@ class BiPACETrainer(GRPOTrainer):
         metrics["time/logps_s"] = output.pop("_logps_seconds")
         metrics["episode/padded_rows"] = float(output.pop("_padded_rows"))
         self._record_metrics(mode, metrics)
+        self._record_trajectories(rollout, estimate)
         return output
 
     def _training_samples(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, Any]:
@@ -433,6 +436,53 @@ class BiPACETrainer(GRPOTrainer):
             else:
                 self._metrics[mode][key].append(float(sum(values) / len(values)))
 
+    def _record_trajectories(self, rollout: Rollout, estimate=None, tag: str = "") -> None:
+        """What the agent did, readable (`trajectories`): TRL's completions table for a
+        training batch when `log_completions` is on, and the rollout dump when one is due
+        (`rollout_dump_steps`; evaluations have no `estimate`). A failure here is logged and
+        skipped: it never stops training. Every rank joins the same gathers."""
+        train = estimate is not None
+        every = self.args.rollout_dump_steps
+        if train:  # a generation trains this many optimizer steps, from global_step + 1
+            covered = self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps
+            step = trajectories.dump_step(self.state.global_step + 1, covered, every)
+        else:
+            step = self.state.global_step if every else None
+        log = train and self.log_completions
+        if step is None and not log:
+            return
+        rows, records = [], []
+        try:
+            rows = trajectories.step_rows(
+                rollout,
+                estimate,
+                decode=lambda ids: self.processing_class.decode(ids, skip_special_tokens=True),
+                gamma=self.args.estimator.gamma,
+                invalid_penalty=self.args.estimator.invalid_penalty,
+                rank=self.accelerator.process_index,
+            )
+            if step is not None:
+                split = "train" if train else "eval"
+                records = trajectories.episode_records(rollout, rows, step=step, split=split, tag=tag)
+        except Exception as err:  # noqa: BLE001 - a log must never stop training
+            trajectories.logger.warning(f"Trajectory rows at step {step} failed ({type(err).__name__}: {err}); skipped.")
+            rows, records = [], []
+        if self.accelerator.num_processes > 1:
+            rows = gather_object(rows) if log else rows
+            records = gather_object(records) if step is not None else records
+        if not self.accelerator.is_main_process:
+            return
+        try:
+            if log:
+                trajectories.fill_completion_logs(self._logs, rows)
+            if step is not None:
+                path = trajectories.dump_path(self.args.output_dir, step, "train" if train else "eval", tag)
+                trajectories.write_jsonl(path, records)
+        except Exception as err:  # noqa: BLE001
+            trajectories.logger.warning(
+                f"Rollout dump at step {step} failed ({type(err).__name__}: {err}); skipped, training continues."
+            )
+
     # ------------------------------------------------------------------ evaluation
 
     def eval_task_refs(self) -> list[TaskRef]:
@@ -465,6 +515,7 @@ class BiPACETrainer(GRPOTrainer):
             {"task_id": e.task_id, "won": e.won, "length": e.length, "failed": e.failed, **e.attributes}
             for e in rollout.episodes[: len(shard)]
         ]
+        self._record_trajectories(rollout, tag=tag)
         records = gather_object(records) if world > 1 else records
         result = summarise_evaluation(records, self.env_class.report_key)
         result.update(step=self.state.global_step, tag=tag, seconds=time.perf_counter() - start)
