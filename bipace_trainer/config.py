@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,20 @@ __all__ = ["BiPACEConfig"]
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
+
+
+# Float settings that NaN or infinity would turn into a crash at step 1, blamed on the env.
+_FINITE_FIELDS = (
+    "w_ep", "w_step", "step_gamma", "gae_lambda", "invalid_action_penalty", "target_singleton_rate",
+    "max_cluster_eps", "eval_temperature", "env_step_timeout",
+)
+
+
+def _is_finite_number(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -151,6 +167,9 @@ class BiPACEConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
+            # TRL's convention: `--resume_from_checkpoint true` resumes from the latest checkpoint in output_dir.
+            self.resume_from_checkpoint = True if self.resume_from_checkpoint.lower() == "true" else None
         self._check_rollout_fields()
         self._check_env()
         self.estimator = self._resolve_estimator()
@@ -189,7 +208,16 @@ class BiPACEConfig(GRPOConfig):
                 self.env_kwargs = json.loads(self.env_kwargs) if self.env_kwargs.strip() else {}
             except json.JSONDecodeError as err:
                 raise ValueError(f"env_kwargs={self.env_kwargs!r} is not valid JSON ({err}); e.g. '{{\"size\": 4}}'.") from None
+        if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
+            raise ValueError(
+                f"env_kwargs={self.env_kwargs!r} must be a JSON object of the env's keyword arguments, "
+                "e.g. '{\"size\": 4}'."
+            )
         self.env_kwargs = dict(self.env_kwargs or {})
+        for name in _FINITE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not _is_finite_number(value)):
+                raise ValueError(f"{name}={value!r} must be a finite number.")
         checks = [
             (self.num_generations >= 2, "num_generations", "must be >= 2: group-relative estimators compare rollouts"),
             (self.max_turns >= 1, "max_turns", "must be >= 1"),
@@ -226,6 +254,31 @@ class BiPACEConfig(GRPOConfig):
         for name in ("train_split", "eval_split"):
             if getattr(self, name) not in splits:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a split of {self.env_name!r}; use one of {splits}.")
+        try:
+            inspect.signature(env_class).bind(**self.env_kwargs)
+        except TypeError as err:  # a typo in env_kwargs would fail every env build, silently skipping every batch
+            raise ValueError(
+                f"env_kwargs={self.env_kwargs!r} do not fit {env_class.__name__}{inspect.signature(env_class)} "
+                f"({err}); fix the names."
+            ) from None
+        except ValueError:  # no introspectable signature (a builtin or C factory): the env build will tell
+            pass
+        for name in ("train_split", "eval_split"):
+            split = getattr(self, name)
+            try:
+                specs = env_class.tasks(split, **self.env_kwargs)
+            except EnvUnavailableError as err:
+                raise EnvUnavailableError(f"env_name={self.env_name!r}: {err}") from None
+            except Exception as err:
+                raise ValueError(
+                    f"env_kwargs={self.env_kwargs!r}: {env_class.__name__}.tasks({split!r}) raised "
+                    f"{type(err).__name__}: {err}; fix the values."
+                ) from None
+            if not specs:
+                raise ValueError(
+                    f"{name}={split!r} of {self.env_name!r} has no tasks with env_kwargs={self.env_kwargs!r}; "
+                    "pick another split or other env_kwargs."
+                )
 
     def _resolve_estimator(self) -> EstimatorSettings:
         eps: Any = self.cluster_eps

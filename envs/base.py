@@ -160,7 +160,7 @@ def registered_envs() -> list[str]:
 
 
 def resolve_env_class(name: str) -> type[TextEnv]:
-    """Look `name` up in the registry, or import it as "package.module:ClassName"."""
+    """Look `name` up in the registry, or import it as "package.module:ClassName" (a `TextEnv` subclass)."""
     if name not in _REGISTRY and name in _LAZY:
         importlib.import_module(_LAZY[name])
     if name in _REGISTRY:
@@ -169,9 +169,15 @@ def resolve_env_class(name: str) -> type[TextEnv]:
         module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
         try:
             module = importlib.import_module(module_name)
-            return getattr(module, attr)
+            env_class = getattr(module, attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"env={name!r}: could not import {attr!r} from {module_name!r} ({err}).") from err
+        if not (isinstance(env_class, type) and issubclass(env_class, TextEnv)):
+            raise ValueError(
+                f"env={name!r} is {env_class!r}, not a subclass of envs.base.TextEnv; subclass TextEnv and "
+                "implement tasks, reset and step (see envs/tiny.py)."
+            )
+        return env_class
     raise ValueError(
         f"env={name!r} is not a registered env. Registered: {', '.join(registered_envs())}. "
         "Register your own with @envs.register_env('name') or pass a dotted path 'package.module:Class'."

@@ -97,7 +97,8 @@ def _task_table() -> list[tuple[str, str]]:
 
 
 def _default_cache_dir() -> str:
-    return os.environ.get("BIPACE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "bipace_trainer")
+    """`$BIPACE_CACHE`, the project's one cache variable, or `~/.cache/bipace_trainer`."""
+    return os.environ.get("BIPACE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "bipace_trainer")
 
 
 @functools.lru_cache(maxsize=None)

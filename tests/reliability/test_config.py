@@ -12,6 +12,10 @@ from envs.base import EnvUnavailableError
 BASE = dict(output_dir="unused", use_cpu=True, env_name="tiny")
 
 
+class NotAnEnv:
+    """Has an env's name but not its base class."""
+
+
 @pytest.mark.parametrize(
     "overrides,field,fix",
     [
@@ -33,6 +37,15 @@ BASE = dict(output_dir="unused", use_cpu=True, env_name="tiny")
         (dict(env_kwargs="{size: 4}"), "env_kwargs", "JSON"),
         (dict(env_backend="gpu"), "env_backend", "serial, thread or process"),
         (dict(hidden_capture="magic"), "hidden_capture", "hook or forward"),
+        (dict(invalid_action_penalty=float("nan")), "invalid_action_penalty", "finite number"),
+        (dict(w_ep=float("nan")), "w_ep", "finite number"),
+        (dict(w_step=float("inf")), "w_step", "finite number"),
+        (dict(step_gamma=float("nan")), "step_gamma", "finite number"),
+        (dict(env_kwargs="[1, 2]"), "env_kwargs", "JSON object"),
+        (dict(env_kwargs='{"size": 4, "sise": 4}'), "env_kwargs", "unexpected keyword argument 'sise'.*fix the names"),
+        (dict(env_kwargs={"size": "four"}), "env_kwargs", r"TinyEnv.tasks\('train'\) raised TypeError.*fix the values"),
+        (dict(env_kwargs={"size": 2, "goal_side": "right"}), "eval_split", "has no tasks"),
+        (dict(env_name="tests.reliability.test_config:NotAnEnv"), "env_name", "not a subclass of envs.base.TextEnv"),
     ],
 )
 def test_invalid_fields_fail_with_the_field_and_the_fix(overrides, field, fix):
@@ -60,3 +73,18 @@ def test_cluster_layer_is_checked_from_the_model_config_alone(layer, ok, tmp_pat
     else:
         with pytest.raises(ValueError, match=rf"cluster_layer={layer} is out of range .* use -3..2"):
             train.check_cluster_layer(str(tmp_path), config)
+
+
+@pytest.mark.parametrize("value,resolved", [("true", True), ("True", True), ("false", None), ("out/checkpoint-4", "out/checkpoint-4")])
+def test_resume_from_checkpoint_true_means_the_latest_checkpoint(value, resolved):
+    """TRL's convention: `--resume_from_checkpoint true` resumes from the latest checkpoint in output_dir."""
+    assert BiPACEConfig(**{**BASE, "resume_from_checkpoint": value}).resume_from_checkpoint == resolved
+
+
+def test_every_engine_reads_the_one_cache_variable(monkeypatch, tmp_path):
+    from envs import alfworld_gen, scienceworld
+
+    monkeypatch.setenv("BIPACE_CACHE", str(tmp_path))
+    monkeypatch.setenv("BIPACE_CACHE_DIR", str(tmp_path / "not-this-one"))
+    assert scienceworld._default_cache_dir() == str(tmp_path)
+    assert str(alfworld_gen.default_cache_dir()).startswith(str(tmp_path))
