@@ -438,3 +438,30 @@ def test_expert_wins_at_least_95_percent_of_every_third_goal(env, catalog):
     task_ids = range(0, len(catalog["goals"]), 3)  # all goals take ~1 min on 2 busy cores; bench/envs.py runs them
     lost = [task_id for task_id in task_ids if not _play_expert(env, task_id)[0].won]
     assert len(lost) <= 0.05 * len(task_ids), len(lost)
+
+
+@pytest.mark.slow
+def test_trainer_runs_a_gigpo_step_on_the_generated_shop(tmp_path, cache_dir):
+    """The env in the trainer: rollouts read WebShop pages and GiGPO groups their first steps."""
+    from peft import LoraConfig
+
+    from tests.trainer.tiny_setup import LORA, CapturingTrainer, make_model, make_tokenizer, tiny_args
+
+    tokenizer = make_tokenizer()
+    args = tiny_args(
+        tmp_path / "run", preset="gigpo", env_name="webshop", env_kwargs={"cache_dir": cache_dir}, max_steps=1,
+        max_turns=3, eval_tasks=2, eval_split="test",
+    )
+    trainer = CapturingTrainer(make_model(tokenizer), args=args, processing_class=tokenizer, peft_config=LoraConfig(**LORA))
+    trainer.captured = []
+    trainer.train()
+    trainer.close_envs()
+    (rollout, advantages, _), = trainer.captured
+    first_steps = [s for s in rollout.steps if s.t == 0]
+    assert len(first_steps) == args.tasks_per_iteration * args.num_generations
+    assert {s.anchor for s in first_steps} == {"'Search'"}  # one cell per task group
+    assert all(0 <= e.reward <= 1 and e.length <= 3 for e in rollout.episodes)
+    assert advantages.shape[0] == len(rollout.steps)
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"episode/success_rate", "episode/reward", "eval/success_rate"} <= logged
+    assert any(key.startswith("eval/success_rate/category=") for key in logged)  # reported per category
