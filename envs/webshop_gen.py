@@ -384,6 +384,7 @@ def load_catalog(*, seed: int = 0, num_products: int = 1000, cache_dir: str | os
                 catalog = generate_catalog(seed=seed, num_products=num_products)
                 with tempfile.NamedTemporaryFile("w", dir=cache, prefix=f".{path.stem}.", delete=False) as tmp:
                     json.dump(catalog, tmp)
+                os.chmod(tmp.name, 0o644)  # a shared cache: readable by every user, as a plain write would be
                 os.replace(tmp.name, path)
                 return catalog
     return json.loads(path.read_text())
