@@ -53,7 +53,7 @@ PHASES = ("generate_s", "env_s", "hidden_s", "estimator_s", "logps_s", "update_s
 class FingerprintTrainer(BiPACETrainer):
     """`BiPACETrainer` for timing: records a hash of every rollout batch, always updates, never evaluates.
 
-    Overrides `_training_samples`, `compute_loss` and `evaluate_policy`; everything else is inherited.
+    Overrides `on_rollout`, `compute_loss` and `evaluate_policy`; everything else is inherited.
     """
 
     def evaluate_policy(self, tag: str = "manual") -> dict:
@@ -65,13 +65,12 @@ class FingerprintTrainer(BiPACETrainer):
         inputs = {key: value for key, value in inputs.items() if key != "skip_update"}
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    def _training_samples(self, rollout, advantages):
+    def on_rollout(self, rollout, advantages, diagnostics):
         digest = hashlib.sha256()
         for step in rollout.steps:
             digest.update(repr((step.traj, step.t, step.prompt_ids, step.completion_ids)).encode())
         self.fingerprints.append(digest.hexdigest()[:16])
         self.completion_tokens.append(sum(len(step.completion_ids) for step in rollout.steps))
-        return super()._training_samples(rollout, advantages)
 
 
 def parse_args(argv=None):

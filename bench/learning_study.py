@@ -255,7 +255,7 @@ def rl_config(plan: EnvPlan, size: Size, work_dir: Path, output_dir: Path, prese
 class StudyTrainer(BiPACETrainer):
     """`BiPACETrainer` that also measures both state partitions on every training batch.
 
-    Overrides `_training_samples` only (it sees each generation's rollout and advantages);
+    Overrides `on_rollout` only (it sees each generation's rollout and advantages);
     everything else is inherited. Hidden states are captured for every preset (the
     prefill hook costs no extra pass), and two probes, PACE-Q on the `hash` and on the
     `hidden` partition, read the same batch: their singleton rates and branch fractions
@@ -277,7 +277,7 @@ class StudyTrainer(BiPACETrainer):
         }
         self.curve: list[dict[str, float]] = []
 
-    def _training_samples(self, rollout, advantages):
+    def on_rollout(self, rollout, advantages, diagnostics):
         batch = rollout.step_batch()
         episodes = rollout.metrics()
         row = {
@@ -296,7 +296,6 @@ class StudyTrainer(BiPACETrainer):
                 row[f"{name}_branch_{branch}"] = diagnostics.get(f"estimator/branch_{branch}_frac", math.nan)
         row["hidden_eps"] = self.probes["hidden"].cluster_eps
         self.curve.append(row)
-        return super()._training_samples(rollout, advantages)
 
 
 def evaluate(trainer, split: str, tag: str) -> dict[str, Any]:

@@ -59,8 +59,9 @@ class BiPACEConfig(GRPOConfig):
     cluster_eps (`str`, `"auto"`): cosine-distance threshold, a float or `auto`.
     target_singleton_rate, max_cluster_eps, recalibrate_eps_every: what `auto` aims for,
         its cap, and how often it re-calibrates (0: once, on the first batch).
-    hidden_capture (`str`, `"hook"`): `hook` records the hidden state during generation's
-        prefill; `forward` runs one extra no-grad forward pass (what vLLM needs).
+    hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
+        that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
+        batch); `forward` runs one extra no-grad forward pass over the prompts.
 
     > Parameters that control the multi-turn rollout
 
@@ -125,7 +126,8 @@ class BiPACEConfig(GRPOConfig):
     max_cluster_eps: float = field(default=0.3, metadata={"help": "Upper bound of the calibrated ε."})
     recalibrate_eps_every: int = field(default=0, metadata={"help": "Re-calibrate 'auto' ε every k steps (0: once)."})
     hidden_capture: str = field(
-        default="hook", metadata={"help": "hook (during generation prefill) | forward (one extra no-grad pass)."}
+        default="hook",
+        metadata={"help": "hook (during a pass that runs anyway: prefill, or the old-logprob pass under vLLM) | forward (one extra no-grad pass)."},
     )
     importance_sampling_level: str | None = field(
         default=None,
@@ -305,7 +307,4 @@ class BiPACEConfig(GRPOConfig):
             recalibrate_every=self.recalibrate_eps_every,
             importance_sampling_level=self.importance_sampling_level,
         )
-        if settings.partition == "hidden" and self.use_vllm and self.hidden_capture == "hook":
-            # vLLM generates outside this process's model: no prefill to hook into.
-            self.hidden_capture = "forward"
         return settings

@@ -11,8 +11,11 @@ Two ways to get it:
   position of its *first* call inside a `generate()` — the prefill, which processes the
   whole (left-padded) prompt — so the state costs no extra forward pass. Decode calls
   (one new token each) are ignored.
-- `forward_hidden_states` runs one batched no-grad forward pass, for backends that do
-  not run the policy in this process (vLLM).
+- `PositionCapture` hooks the same module during any other forward pass over the
+  prompts and keeps one column of every call: under vLLM, the old-logprob pass over
+  [left-padded prompt | completion] runs anyway, and attention is causal, so column
+  P - 1 is exactly the prefill's last prompt token (no extra pass either).
+- `forward_hidden_states` runs one batched no-grad forward pass (`hidden_capture="forward"`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["resolve_layer_module", "PrefillCapture", "forward_hidden_states", "num_hidden_layers"]
+__all__ = ["resolve_layer_module", "PrefillCapture", "PositionCapture", "forward_hidden_states", "num_hidden_layers"]
 
 
 def num_hidden_layers(model: nn.Module) -> int:
@@ -93,6 +96,31 @@ class PrefillCapture:
     def __exit__(self, *exc) -> None:
         self._handle.remove()
         self._handle = None
+
+
+class PositionCapture(PrefillCapture):
+    """Context manager recording hidden_states[layer][:, position] of *every* forward call
+    inside it (a chunked pass calls the model once per chunk), concatenated in call order.
+
+    Usage:
+        with PositionCapture(model, layer, position=P - 1) as capture:
+            model(input_ids=torch.cat([left_padded_prompts, completions], 1), ...)
+        capture.states  # (B, d) float32 on CPU
+    """
+
+    def __init__(self, model: nn.Module, layer: int, position: int):
+        super().__init__(model, layer)
+        self.position = position
+        self._chunks: list[torch.Tensor] = []
+
+    def _hook(self, module, args, output):
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        self._chunks.append(hidden[:, self.position, :].detach().to(torch.float32).cpu())
+        self.states = torch.cat(self._chunks)
+
+    def __enter__(self) -> "PositionCapture":
+        self._chunks = []
+        return super().__enter__()
 
 
 @torch.no_grad()

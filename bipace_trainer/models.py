@@ -153,8 +153,10 @@ def bpe_chat_tokenizer(corpus, vocab_size: int):
     return fast
 
 
-def tiny_qwen2(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0):
-    """A randomly initialised Qwen2 sized for a CPU (tied embeddings, 4 heads, 2 KV heads), seeded."""
+def tiny_qwen2(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0, heads: int = 4, kv_heads: int = 2):
+    """A randomly initialised Qwen2 sized for a CPU (tied embeddings, 4 heads, 2 KV heads), seeded.
+
+    vLLM's CPU attention needs head_dim >= 32: `heads=1, kv_heads=1` gives 64 at width 64."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -164,8 +166,8 @@ def tiny_qwen2(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int =
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -52,13 +52,15 @@ class Generation:
     """What a generate call returns for n prompts.
 
     prompt_ids / completion_ids: n token id lists; texts: n decoded replies;
-    hidden: (n, d) hidden states at the last prompt token, or None.
+    hidden: (n, d) hidden states at the last prompt token, or None;
+    logprobs: n lists of the sampler's logprob of each completion token (vLLM), or None.
     """
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     texts: list[str]
     hidden: torch.Tensor | None = None
+    logprobs: list[list[float | None]] | None = None
 
 
 class Generator(Protocol):
@@ -114,6 +116,7 @@ class StepRecord:
     won: bool
     observation: str = ""  # what the env showed the agent before this step
     hidden: torch.Tensor | None = None
+    sampling_logprobs: list[float | None] | None = None  # the generation backend's, per completion token
 
 
 @dataclass
@@ -216,6 +219,7 @@ def run_rollouts(
             episodes[i].failure = (result.info or {}).get("env_failure", "reset returned nothing") if result else ""
         elif result.done:
             done[i] = True
+            episodes[i].won = result.won  # solved at reset: a success in zero steps
     steps: list[StepRecord] = []
     generate_calls = 0
     for turn in range(settings.max_turns):
@@ -247,6 +251,7 @@ def run_rollouts(
         texts = [text for out in outputs for text in out.texts]
         hidden_rows = [out.hidden for out in outputs if out.hidden is not None and len(out.hidden)]
         hidden = torch.cat(hidden_rows) if hidden_rows else None
+        logprobs = [lp for out in outputs for lp in out.logprobs] if all(out.logprobs is not None for out in outputs) else None
 
         actions: list[str | None] = [None] * n
         parsed = {}
@@ -280,6 +285,7 @@ def run_rollouts(
                     done=failed or result.done,
                     won=not failed and result.won,
                     hidden=hidden[j] if hidden is not None else None,
+                    sampling_logprobs=logprobs[j] if logprobs is not None else None,
                 )
             )
             episode.length += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -36,20 +37,33 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
-from trl.trainer.utils import pad
+from trl.trainer.utils import RepeatSampler, pad
 
-from envs.base import resolve_env_class
+from envs.base import resolve_env_class, stratified_subset
 from envs.vector import VectorEnv
 
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
-from .hidden import PrefillCapture, forward_hidden_states, resolve_layer_module
+from .prompting import fit_prompt_ids
+from .hidden import PositionCapture, PrefillCapture, forward_hidden_states, resolve_layer_module
 from . import trajectories
 from .rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
+from .vllm_backend import (
+    WeightSyncs,
+    equal_prompt_counts,
+    importance_sampling_metrics,
+    importance_sampling_ratio,
+    install_cpu_weight_loading,
+)
 
-__all__ = ["BiPACETrainer", "task_dataset", "env_reward"]
+__all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward"]
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "bipace_state.json"
+BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
+# A run stops once every episode of this many generations in a row failed (env broken, not flaky).
+MAX_ALL_FAILED_GENERATIONS = 3
 EVAL_FILE = "eval_results.json"
 _DUMMY_PROMPT = [{"role": "user", "content": "."}]
 
@@ -62,9 +76,8 @@ def env_reward(completions, **kwargs):
 
 def task_dataset(env: str, split: str, env_kwargs: dict[str, Any] | None = None, limit: int = 0) -> Dataset:
     """The tasks of an env split as a dataset of rows {"task_id": int} (the trainer's train set)."""
-    specs = resolve_env_class(env).tasks(split, **(env_kwargs or {}))
-    if limit:
-        specs = specs[:limit]
+    env_class = resolve_env_class(env)
+    specs = stratified_subset(env_class.tasks(split, **(env_kwargs or {})), limit, env_class.report_key, "train_tasks")
     if not specs:
         raise ValueError(f"env={env!r} has no tasks in split={split!r}; pick another split.")
     return Dataset.from_dict({"task_id": [spec.task_id for spec in specs]})
@@ -103,20 +116,34 @@ class _EvaluationCallback(TrainerCallback):
             self.trainer.evaluate_policy(tag="final")
 
 
+class TrainingInterrupted(BaseException):
+    """SIGTERM that could not wait for the end of a step (a second SIGTERM, or one during
+    the final evaluation). A BaseException, so no `except Exception` in an env swallows it."""
+
+
 class _GracefulStopCallback(TrainerCallback):
     """On SIGTERM (a scheduler's preemption notice), finish the current step, save a
-    checkpoint and stop, instead of dying mid-step. SIGKILL cannot be caught: atomic
-    checkpoint writes (`BiPACETrainer._save_checkpoint`) keep the last one loadable."""
+    checkpoint and stop, instead of dying mid-step. A hung env cannot hold the step
+    forever: every backend ends a call at `env_step_timeout`. A second SIGTERM, or one
+    after the last step (during the final evaluation, whose checkpoint is already
+    saved), stops at once. SIGKILL cannot be caught: atomic checkpoint writes
+    (`BiPACETrainer._save_checkpoint`) keep the last one loadable. Added before the
+    evaluation callback, so its `on_train_end` runs before the final evaluation."""
 
     def __init__(self, trainer: "BiPACETrainer"):
         self.trainer = trainer
         self._requested = False
+        self._training_over = False
         self._previous = None
 
     def _request_stop(self, signum, frame):
+        self.trainer.interrupted = True
+        if self._requested or self._training_over:
+            raise TrainingInterrupted(f"SIGTERM at step {self.trainer.state.global_step}")
         self._requested = True
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._requested = self._training_over = False
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._request_stop)
 
@@ -127,9 +154,29 @@ class _GracefulStopCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._training_over = True
+
+    def restore_handler(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+class _EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose task order in epoch e depends on (seed, e) alone.
+
+    TRL seeds the generator once and draws one permutation per epoch, so a resumed run
+    (a new sampler) replayed the first epoch's order. `set_epoch(e)` (called by the
+    Trainer before each epoch, resumed or not) reseeds and draws the e earlier
+    permutations: the same orders as TRL's, and a resumed run continues them exactly.
+    """
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.shuffle or self.seed is None:
+            return
+        self.generator.manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.num_samples, generator=self.generator)
 
 
 class BiPACETrainer(GRPOTrainer):
@@ -189,13 +236,20 @@ class BiPACETrainer(GRPOTrainer):
             invalid_action=self.env_class.invalid_action,
         )
         self._sync = _CrossRankSync(self.accelerator)
+        self._weight_syncs = None
+        if self.use_vllm:
+            install_cpu_weight_loading(self.vllm_generation)
+            self._weight_syncs = WeightSyncs(self.vllm_generation)
         self._hidden_seconds = 0.0
         self._vector_envs: dict[str, VectorEnv] = {}
         self.eval_history: list[dict[str, Any]] = []
         self.interrupted = False
+        self._train_generations = self._healthy_generations = self._all_failed_streak = 0
+        self._last_env_failure = ""
         self._checkpoint_staging: str | None = None
+        self._graceful_stop = _GracefulStopCallback(self)
+        self.add_callback(self._graceful_stop)  # first: see its docstring
         self.add_callback(_EvaluationCallback(self))
-        self.add_callback(_GracefulStopCallback(self))
 
     # ------------------------------------------------------------------ generation
 
@@ -228,24 +282,48 @@ class BiPACETrainer(GRPOTrainer):
         """One generate call through TRL's own path, plus hidden states if the estimator needs them.
 
         An empty `messages` (this rank has no active env) still runs a dummy generation,
-        so every rank joins the same collective calls (ZeRO-3 parameter gathering).
+        so every rank joins the same collective calls (ZeRO-3 parameter gathering). Under
+        vLLM with several processes every rank sends the same number of prompts (TRL slices
+        the gathered completions by rank assuming it); the padding's completions are dropped.
         """
-        dummy = not messages
-        prompt_ids, _, _ = self._tokenize_prompts([_DUMMY_PROMPT] if dummy else messages)
+        count = len(messages)
+        prompt_ids, _, _ = self._tokenize_prompts(messages or [_DUMMY_PROMPT])
         prompt_ids = [list(ids) for ids in prompt_ids]
-        hook = self.needs_hidden and self.args.hidden_capture == "hook" and not self.use_vllm
+        if self.use_vllm and self.accelerator.num_processes > 1:
+            dummy_ids = self._tokenize_prompts([_DUMMY_PROMPT])[0][0]
+            prompt_ids = equal_prompt_counts(prompt_ids, self._sync.max(len(prompt_ids)), list(dummy_ids))
+        # Hidden states: in generate's prefill (HF), in the old-logprob pass (vLLM, see
+        # `_training_samples`), or by one extra pass (`forward`); training rollouts only.
+        wants_hidden = self.needs_hidden and self.model.training
+        hook = wants_hidden and self.args.hidden_capture == "hook" and not self.use_vllm
         capture = PrefillCapture(self._policy_module(), self.args.cluster_layer) if hook else contextlib.nullcontext()
         with capture:
-            completion_ids, _ = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+            completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
         hidden = capture.states if hook else None
-        if self.needs_hidden and not hook:
+        if wants_hidden and self.args.hidden_capture == "forward":
             start = time.perf_counter()
-            hidden = self._forward_hidden(prompt_ids)
+            hidden = self._forward_hidden(prompt_ids)[:count]
             self._hidden_seconds += time.perf_counter() - start
-        if dummy:
+        if not count:
             return Generation([], [], [], None)
+        completion_ids = [list(ids) for ids in completion_ids[:count]]
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        return Generation(prompt_ids, [list(ids) for ids in completion_ids], texts, hidden)
+        logprobs = [list(lp) for lp in logprobs[:count]] if logprobs is not None else None
+        return Generation(prompt_ids[:count], completion_ids, texts, hidden, logprobs)
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's tokenization, then each prompt bounded by the model's context minus
+        `max_completion_length` (`prompting.fit_prompt_ids`): past it a learned-position
+        model crashes and a RoPE model silently degrades."""
+        prompt_ids, *rest = super()._tokenize_prompts(prompts)
+        context = getattr(self._policy_module().config.get_text_config(), "max_position_embeddings", None)
+        if not context:
+            return (prompt_ids, *rest)
+        limit = max(context - self.args.max_completion_length, 16)
+        if all(len(ids) <= limit for ids in prompt_ids):
+            return (prompt_ids, *rest)
+        marker = self._tokenizer.encode("\n[... cut to fit the context ...]\n", add_special_tokens=False)
+        return ([fit_prompt_ids(ids, limit, marker) for ids in prompt_ids], *rest)
 
     def _forward_hidden(self, prompt_ids: list[list[int]]) -> torch.Tensor:
         device = self.accelerator.device
@@ -282,13 +360,65 @@ class BiPACETrainer(GRPOTrainer):
         self._hidden_seconds = 0.0
         # An empty eval shard (more ranks than tasks) still joins every generate call.
         envs = self._envs(name, len(tasks)) if tasks else None
-        rollout = run_rollouts(
-            envs, tasks, self._generate_turn, self.rollout_settings, sync=self._sync, traj_offset=traj_offset
-        )
+        with self._weight_syncs.awake() if self.use_vllm else contextlib.nullcontext(False) as pushed:
+            if pushed:  # sleep mode discarded the weights; they are the current step's again
+                self._last_loaded_step = self.state.global_step
+            rollout = run_rollouts(
+                envs, tasks, self._generate_turn, self.rollout_settings, sync=self._sync, traj_offset=traj_offset
+            )
+        if name == "train":
+            self._stop_if_every_env_failed(rollout)
         # The extra forward pass runs inside the generate callback: report it apart.
         rollout.seconds["generate"] -= self._hidden_seconds
         rollout.seconds["hidden"] = self._hidden_seconds
         return rollout
+
+    def _stop_if_every_env_failed(self, rollout: Rollout) -> None:
+        """A run whose every episode fails trains on nothing: a flaky generation is skipped,
+        but MAX_ALL_FAILED_GENERATIONS in a row (or a whole run, see `train`) stop it."""
+        self._train_generations += 1
+        failures = [e.failure for e in rollout.episodes if e.failed]
+        if failures:
+            self._last_env_failure = failures[-1]
+        if self._sync.any(len(failures) < len(rollout.episodes)):
+            self._healthy_generations += 1
+            self._all_failed_streak = 0
+            return
+        self._all_failed_streak += 1
+        if self._all_failed_streak >= MAX_ALL_FAILED_GENERATIONS:
+            raise RuntimeError(self._every_env_failed(f"the last {self._all_failed_streak} generations"))
+
+    def _every_env_failed(self, when: str) -> str:
+        return (
+            f"Every episode of {when} failed, so nothing was trained; the latest env error: "
+            f"{self._last_env_failure or 'unknown'}. Fix the env or its settings (env_name={self.args.env_name!r}, "
+            f"env_kwargs={self.args.env_kwargs!r}) and rerun; checkpoints, if any, are in {self.args.output_dir}."
+        )
+
+    def train(self, *args, **kwargs):
+        """TRL's `train`; a run stopped by SIGTERM returns None with `interrupted` set, and a
+        run in which every episode failed raises instead of reporting success."""
+        try:
+            output = super().train(*args, **kwargs)
+        except TrainingInterrupted as stop:
+            logger.warning(f"Stopped by {stop}; the last checkpoint in {self.args.output_dir} is complete.")
+            return None
+        finally:
+            self._graceful_stop.restore_handler()
+        if self._train_generations and not self._healthy_generations and not self.interrupted:
+            raise RuntimeError(self._every_env_failed(f"all {self._train_generations} generations of the run"))
+        return output
+
+    def _get_train_sampler(self, dataset=None):
+        trl_sampler = super()._get_train_sampler(dataset)
+        return _EpochSeededRepeatSampler(
+            data_source=trl_sampler.data_source,
+            mini_repeat_count=trl_sampler.mini_repeat_count,
+            batch_size=trl_sampler.batch_size,
+            repeat_count=trl_sampler.repeat_count,
+            shuffle=trl_sampler.shuffle,
+            seed=trl_sampler.seed,
+        )
 
     # ------------------------------------------------------------------ the seam
 
@@ -304,6 +434,8 @@ class BiPACETrainer(GRPOTrainer):
         rollout = self._rollout("train", tasks, traj_offset=rank * len(tasks))
         rollout_seconds = time.perf_counter() - start
 
+        # The batch first: under vLLM its old-logprob pass also captures the hidden states.
+        output, batch_metrics = self._training_samples(rollout)
         start = time.perf_counter()
         estimate = self.estimator.estimate(rollout.step_batch(), reduce=self._mean_over_ranks)
         advantages, diagnostics = estimate.advantage, estimate.diagnostics
@@ -312,28 +444,37 @@ class BiPACETrainer(GRPOTrainer):
             raise FloatingPointError(
                 "Non-finite advantages from the estimator; inspect the step rewards (env) and the estimator settings."
             )
-        output = self._training_samples(rollout, advantages)
+        self.on_rollout(rollout, advantages, diagnostics)
+        padded_rows = output["advantages"].numel() - advantages.numel()
+        output["advantages"] = torch.cat([advantages, torch.zeros(padded_rows)]).to(output["advantages"].device)
         # No sample with a non-zero advantage on any rank (all rewards equal, every env
         # failed, no steps at all): there is nothing to learn from; skip the update.
         skip = not self._sync.any(bool((advantages != 0).any()))
         output["skip_update"] = torch.tensor(skip)
 
-        metrics = {**rollout.metrics(), **diagnostics, **self._vector_envs["train"].metrics()}
+        metrics = {**rollout.metrics(), **diagnostics, **self._vector_envs["train"].metrics(), **batch_metrics}
         metrics["train/skipped_batches"] = float(skip)
         metrics["time/rollout_s"] = rollout_seconds
         metrics["time/estimator_s"] = estimator_seconds
-        metrics["time/logps_s"] = output.pop("_logps_seconds")
-        metrics["episode/padded_rows"] = float(output.pop("_padded_rows"))
+        if self.use_vllm:
+            metrics["vllm/weight_syncs"] = float(self._weight_syncs.count)
         self._record_metrics(mode, metrics)
         self._record_trajectories(rollout, estimate)
         return output
 
-    def _training_samples(self, rollout: Rollout, advantages: torch.Tensor) -> dict[str, Any]:
+    def on_rollout(self, rollout: Rollout, advantages: torch.Tensor, diagnostics: dict[str, float]) -> None:
+        """Called once per training generation with its rollout (one `StepRecord` per
+        sample, in batch order), the estimator's (N,) advantages and its diagnostics,
+        before they enter TRL's loss. Override to inspect or record them; the default does nothing."""
+
+    def _training_samples(self, rollout: Rollout) -> tuple[dict[str, Any], dict[str, float]]:
         """Pad the step samples into TRL's batch layout, with equal row counts on every rank.
 
         Rows are padded to the largest count over ranks, rounded up to a multiple of
         `steps_per_generation` (TRL splits the batch that many ways). Padding rows have
         an empty completion mask and zero advantage: they add nothing to the loss.
+        `advantages` is a zero placeholder of the padded size until the estimator has run.
+        Returns the batch and its metrics (padding, log-prob time, vLLM sampling metrics).
         """
         device = self.accelerator.device
         steps = rollout.steps
@@ -360,35 +501,81 @@ class BiPACETrainer(GRPOTrainer):
             eos = set(self.eos_token_ids)
             truncated = [not s.completion_ids or s.completion_ids[-1] not in eos for s in steps] + [False] * padded_rows
             completion_mask = completion_mask * (~torch.tensor(truncated, device=device)).unsqueeze(1).long()
-        all_advantages = torch.cat([advantages, torch.zeros(padded_rows)]).to(device)
 
         output = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "advantages": all_advantages,
+            "advantages": torch.zeros(target, device=device),
             "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
-            "_padded_rows": padded_rows,
         }
+        # Under vLLM the hidden states come from the old-logprob pass, which sees every prompt.
+        capture_hidden = self.use_vllm and self.needs_hidden and self.args.hidden_capture == "hook"
         start = time.perf_counter()
-        output.update(self._reference_logps(prompt_ids, prompt_mask, completion_ids, completion_mask))
-        output["_logps_seconds"] = time.perf_counter() - start
-        return output
+        logps, hidden = self._reference_logps(prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden)
+        output.update(logps)
+        metrics = {"time/logps_s": time.perf_counter() - start, "episode/padded_rows": float(padded_rows)}
+        if hidden is not None:
+            for step, state in zip(steps, hidden):
+                step.hidden = state
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            output.update(self._importance_sampling(steps, output, completion_mask, metrics))
+        return output, metrics
 
-    def _reference_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict[str, torch.Tensor]:
-        """old_per_token_logps / ref_per_token_logps exactly when TRL's loss needs them."""
+    def _importance_sampling(self, steps, output, completion_mask, metrics) -> dict[str, torch.Tensor]:
+        """TRL's vLLM importance-sampling correction of the batch (`vllm_backend.importance_sampling_ratio`)."""
+        device = completion_mask.device
+        width = completion_mask.shape[1]
+        rows = [
+            [float("nan") if x is None else float(x) for x in (s.sampling_logprobs or [])] for s in steps
+        ]
+        rows += [[] for _ in range(completion_mask.shape[0] - len(steps))]
+        sampling = torch.zeros(completion_mask.shape, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            sampling[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+        sampling = sampling.to(device)
+        old = output["old_per_token_logps"]
+        ratio = importance_sampling_ratio(
+            old,
+            sampling,
+            completion_mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        local = importance_sampling_metrics(old, sampling, completion_mask, ratio)
+        reduce = {"mean": torch.mean, "max": torch.max, "min": torch.min}
+        for key, value in local.items():  # over ranks as TRL does: the ratio's statistics ignore NaN
+            gathered = self.accelerator.gather(value.reshape(1).float())
+            if key.startswith("sampling/importance_sampling_ratio"):
+                gathered = gathered[~torch.isnan(gathered)]
+            metrics[key] = float(reduce[key.rsplit("/", 1)[1]](gathered)) if gathered.numel() else math.nan
+        return {"importance_sampling_ratio": ratio, "sampling_per_token_logps": sampling}
+
+    def _reference_logps(
+        self, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden: bool = False
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """old_per_token_logps / ref_per_token_logps exactly when TRL's loss needs them, and,
+        with `capture_hidden`, the hidden states at the last prompt token from the old pass."""
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
         batch_size = self.args.per_device_train_batch_size
-        out = {}
+        out, hidden = {}, None
         generate_every = self.args.steps_per_generation * self.num_iterations
         with torch.no_grad():
             if self.args.gradient_accumulation_steps % generate_every != 0 or self.use_vllm:
-                out["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                capture = (
+                    PositionCapture(self._policy_module(), self.args.cluster_layer, position=prompt_ids.size(1) - 1)
+                    if capture_hidden
+                    else contextlib.nullcontext()
                 )
+                with capture:
+                    out["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                    )
+                hidden = capture.states if capture_hidden else None
             if self.beta != 0.0:
                 if self.ref_model is not None:
                     ref_model, adapter = self.ref_model, contextlib.nullcontext()
@@ -398,7 +585,7 @@ class BiPACETrainer(GRPOTrainer):
                     out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                         ref_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
                     )
-        return out
+        return out, hidden
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if bool(inputs.get("skip_update", False)) and not self.is_deepspeed_enabled:
@@ -487,8 +674,7 @@ class BiPACETrainer(GRPOTrainer):
 
     def eval_task_refs(self) -> list[TaskRef]:
         specs = self.env_class.tasks(self.args.eval_split, **self.args.env_kwargs)
-        if self.args.eval_tasks:
-            specs = specs[: self.args.eval_tasks]
+        specs = stratified_subset(specs, self.args.eval_tasks, self.env_class.report_key, "eval_tasks")
         repeats = self.args.eval_rollouts_per_task
         return [
             TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, spec in enumerate(specs) for _ in range(repeats)
@@ -542,7 +728,10 @@ class BiPACETrainer(GRPOTrainer):
 
         A kill during the save (SIGKILL, OOM, preemption) leaves only the staging
         folder, which resuming ignores and the next save clears: `checkpoint-N` either
-        exists complete, estimator state included, or not at all.
+        exists complete, estimator state included, or not at all. A checkpoint taken
+        while one generation still feeds further optimizer steps also holds each rank's
+        buffered samples and TRL's micro-step counter, so resuming trains on the same
+        samples instead of generating new ones.
         """
         run_dir = Path(super()._get_output_dir(trial))
         staging = run_dir / ".staging"
@@ -558,6 +747,10 @@ class BiPACETrainer(GRPOTrainer):
         if self.args.should_save:
             state = {"estimator": self.estimator.state_dict(), "eval_history": self.eval_history}
             (staging / name / STATE_FILE).write_text(json.dumps(state))
+        if self._step % (self.args.steps_per_generation * self.num_iterations) and self._buffered_inputs is not None:
+            (staging / name).mkdir(parents=True, exist_ok=True)
+            buffer = {"step": self._step, "buffered_inputs": self._buffered_inputs}
+            torch.save(buffer, staging / name / BUFFER_FILE.format(rank=self.accelerator.process_index))
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             shutil.rmtree(run_dir / name, ignore_errors=True)  # a re-save of the same step after a resume
@@ -578,6 +771,10 @@ class BiPACETrainer(GRPOTrainer):
             state = json.loads((Path(checkpoint) / STATE_FILE).read_text())
             self.estimator.load_state_dict(state["estimator"])
             self.eval_history = state.get("eval_history", [])
+        buffer_path = Path(checkpoint or "") / BUFFER_FILE.format(rank=self.accelerator.process_index)
+        if checkpoint is not None and buffer_path.exists():  # saved mid-generation
+            buffer = torch.load(buffer_path, map_location=self.accelerator.device, weights_only=False)
+            self._step, self._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         if not self.is_world_process_zero():

@@ -36,8 +36,8 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return bpe_chat_tokenizer(corpus, vocab_size=1500)
 
 
-def make_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> Qwen2ForCausalLM:
-    return tiny_qwen2(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed)
+def make_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2, **heads) -> Qwen2ForCausalLM:
+    return tiny_qwen2(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed, **heads)
 
 
 def warm_start(model, tokenizer, output_dir: str, *, expert_prob: float = 0.0, max_steps: int = 60, seed: int = 0):
@@ -64,9 +64,12 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropou
 class CapturingTrainer(BiPACETrainer):
     """Keeps each generation's rollout, advantages and training batch for inspection."""
 
-    def _training_samples(self, rollout, advantages):
-        output = super()._training_samples(rollout, advantages)
-        self.captured.append((rollout, advantages.clone(), {k: v for k, v in output.items() if not k.startswith("_")}))
+    def on_rollout(self, rollout, advantages, diagnostics):
+        self._seen = (rollout, advantages.clone())
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.captured.append((*self._seen, dict(output)))
         return output
 
 
