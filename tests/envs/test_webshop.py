@@ -109,6 +109,11 @@ def test_unknown_split_is_rejected(cache_dir):
         WebShopEnv.tasks("dev", cache_dir=cache_dir)
 
 
+def test_task_id_out_of_range_names_the_range(env, catalog):
+    with pytest.raises(ValueError, match=f"task_id={len(catalog['goals'])} is out of range"):
+        env.reset(len(catalog["goals"]))
+
+
 def test_registered_under_webshop(cache_dir):
     assert isinstance(make_env("webshop", cache_dir=cache_dir), WebShopEnv)
 
@@ -322,9 +327,11 @@ def test_expert_recovers_after_detours(env, cache_dir):
 # -- through VectorEnv and against WebShop's own interface -----------------------------------
 
 
-def test_vector_env_cuts_long_pages_and_keeps_anchors_exact(cache_dir):
+@pytest.mark.parametrize("backend", ["serial", "process"])  # process: built in a worker by name and kwargs
+def test_vector_env_cuts_long_pages_and_keeps_anchors_exact(cache_dir, backend):
     task_ids = [s.task_id for s in _tasks("test", cache_dir)[:2]]
-    with VectorEnv("webshop", 2, env_kwargs={"cache_dir": cache_dir}, max_observation_chars=200) as vec:
+    kwargs = {"cache_dir": cache_dir}
+    with VectorEnv("webshop", 2, env_kwargs=kwargs, backend=backend, num_workers=1, max_observation_chars=200) as vec:
         first = vec.reset(task_ids)
         assert all(r.observation == "'Search'" for r in first)
         pages = vec.step(["search[shoes]", "search[shoes running men]"])
@@ -394,7 +401,7 @@ def fake_install(tmp_path, monkeypatch, cache_dir):
 def test_webshop_source_names_what_is_missing():
     if importlib.util.find_spec("web_agent_site") is not None:
         pytest.skip("a WebShop install is importable here")
-    with pytest.raises(EnvUnavailableError, match="module web_agent_site.*module pyserini.*setup.sh"):
+    with pytest.raises(EnvUnavailableError, match="source='webshop' is missing module web_agent_site.*setup.sh"):
         WebShopEnv(source="webshop")
 
 
