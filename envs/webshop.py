@@ -60,10 +60,12 @@ generated shop it wins >= 95% of the tasks (a test checks a sample; bench/envs.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
 import os
+import random
 import re
 import shutil
 import threading
@@ -160,14 +162,32 @@ def _generated_server(seed: int, num_products: int, cache_dir: str | None):
     return GeneratedServer(load_catalog(seed=seed, num_products=num_products, cache_dir=cache_dir))
 
 
+@contextlib.contextmanager
+def _seeded_global_random(seed: int):
+    """Run WebShop code that draws from (and reseeds) the global `random`, then restore its state.
+
+    WebShop's server draws the price of every product listed as a range with the unseeded global
+    `random` while loading, then calls `random.seed(233)`; its text env draws a session id when
+    built. Seeded here, every worker process sees the same prices, and the trainer's own draws
+    are left as they were.
+    """
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
 @functools.lru_cache(maxsize=None)
 def _webshop_server(num_products: int | None, human_goals: bool):
     from web_agent_site.envs.web_agent_text_env import SimServer
     from web_agent_site.utils import DEFAULT_FILE_PATH
 
-    return SimServer(
-        "http://127.0.0.1:3000", DEFAULT_FILE_PATH, num_products=num_products, human_goals=human_goals, show_attrs=False
-    )
+    with _seeded_global_random(0):
+        return SimServer(
+            "http://127.0.0.1:3000", DEFAULT_FILE_PATH, num_products=num_products, human_goals=human_goals, show_attrs=False
+        )
 
 
 def _server(settings: tuple):
@@ -191,7 +211,8 @@ def _engine(settings: tuple, server):
         return GeneratedTextEnv(server, session_prefix=prefix)
     from web_agent_site.envs.web_agent_text_env import WebAgentTextEnv
 
-    return WebAgentTextEnv(observation_mode="text", server=server, session_prefix=prefix, num_products=settings[2])
+    with _seeded_global_random(0):
+        return WebAgentTextEnv(observation_mode="text", server=server, session_prefix=prefix, num_products=settings[2])
 
 
 @register_env("webshop")

@@ -45,10 +45,12 @@ The reward is WebShop's (`get_reward` in `web_agent_site/engine/goal.py`, paper 
   both first reduced to the first base colour they contain;
 - r_type: 1, or 0.5 when neither the search query, two breadcrumb levels nor > 20% of the
   goal title's nouns match; 0.1 below 10% of the nouns; 0 with no noun in common.
-Token-set similarity is `rapidfuzz.fuzz.token_set_ratio` on processed strings, what
-`thefuzz` computes. One deliberate difference: WebShop hands `goal_options.items()`
-(name, value pairs) to the option matcher for synthetic goals, comparing a value with a
-pair; here the goal's option *values* are compared, what the rule means.
+Token-set similarity is `rapidfuzz.fuzz.token_set_ratio` on processed strings (lower case,
+punctuation to spaces), which is what `thefuzz` >= 0.20 computes (WebShop pins 0.19, whose
+pure-Python fallback can differ by a point or two near the threshold). One deliberate
+difference: WebShop hands `goal_options.items()` (name, value pairs) to the option matcher
+for synthetic goals, comparing a value with a pair; here the goal's option *values* are
+compared, what the rule means.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 import textwrap
 from pathlib import Path
@@ -362,12 +363,15 @@ def _fake_webshop_install(root, *, data=True, index=True):
         textwrap.dedent(
             """
             import os
+            import random
             from envs.webshop_gen import load_catalog
             from envs.webshop_site import GeneratedServer, GeneratedTextEnv
 
             class SimServer(GeneratedServer):
                 def __init__(self, base_url, file_path, filter_goals=None, limit_goals=-1, num_products=None,
                              human_goals=0, show_attrs=False):
+                    random.random()  # as WebShop's: prices of ranges drawn, then random.seed(233)
+                    random.seed(233)
                     super().__init__(load_catalog(num_products=num_products, cache_dir=os.environ['FAKE_WEBSHOP_CACHE']))
 
             class WebAgentTextEnv(GeneratedTextEnv):
@@ -420,7 +424,12 @@ def test_webshop_source_names_missing_data_and_index(tmp_path, monkeypatch):
 def test_webshop_source_plays_through_webshops_interface(fake_install, cache_dir):
     """The adapter on WebShop's class names and signatures reads the same pages as the generated backend."""
     _fake_webshop_install(fake_install)
+    random.seed(5)
+    expected = random.random()
+    random.seed(5)
     real = WebShopEnv(source="webshop")
+    real.reset(0)  # loads the server, which reseeds the global random
+    assert random.random() == expected  # the trainer's draws are left alone
     generated = WebShopEnv(cache_dir=cache_dir)
     task_ids = [s.task_id for s in WebShopEnv.tasks("test", source="webshop")[:20]]
     assert task_ids == [s.task_id for s in _tasks("test", cache_dir)[:20]]
