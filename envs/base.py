@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -31,6 +33,7 @@ __all__ = [
     "StepResult",
     "TaskSpec",
     "TextEnv",
+    "stratified_subset",
     "register_env",
     "make_env",
     "resolve_env_class",
@@ -83,6 +86,38 @@ class TaskSpec:
     task_id: int
     split: str
     attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def stratified_subset(specs: Sequence[TaskSpec], n: int, key: str | None, label: str = "tasks") -> list[TaskSpec]:
+    """`n` of `specs` spread evenly over the values of `attributes[key]` (0: all of them), in `specs` order.
+
+    Strata (values of `key`, e.g. ALFWorld's task type or TextCraft's depth) are dealt one
+    task at a time in turn, each stratum giving its tasks in `specs` order, until `n` are
+    taken: stratum sizes in the subset differ by at most one unless a stratum runs out.
+    Deterministic, and a subset of size n is contained in every larger one. With no `key`
+    this is `specs[:n]`. Prints how many tasks of each stratum were taken, as `label`.
+    """
+    if n < 0:
+        raise ValueError(f"{label}={n}: the subset size must be >= 0 (0 = all tasks).")
+    if not key:
+        return list(specs[:n] if n else specs)
+    strata: dict[str, list[int]] = {}
+    for index, spec in enumerate(specs):
+        strata.setdefault(str(spec.attributes.get(key)), []).append(index)
+    queues = [strata[value] for value in sorted(strata)]
+    taken: list[int] = []
+    wanted = min(n or len(specs), len(specs))
+    for rank in range(max(map(len, queues), default=0)):
+        taken += [queue[rank] for queue in queues if rank < len(queue)][: wanted - len(taken)]
+    subset = [specs[index] for index in sorted(taken)]
+    counts = Counter(str(spec.attributes.get(key)) for spec in subset)
+    split = specs[0].split if specs else "?"
+    print(
+        f"{label}: {len(subset)} of {len(specs)} {split} tasks, per {key}: "
+        + ", ".join(f"{value} {counts[value]}" for value in sorted(strata)),
+        flush=True,
+    )
+    return subset
 
 
 class TextEnv(ABC):
