@@ -6,12 +6,20 @@
     # any causal LM, any registered env, any preset; every config field is a flag
     python train.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --env alfworld --preset gigpo
 
-    # a paper recipe, on GPUs with DeepSpeed ZeRO-2
+    # a paper recipe, on GPUs with DeepSpeed ZeRO-2 (docs/RECIPES.md: every setting and its source)
     accelerate launch --config_file accelerate_config.yaml train.py --config recipes/alfworld_qwen2.5-1.5b_bipace_q.yaml
+
+    # what a recipe resolves to (YAML + flags + documented defaults), without loading a model
+    python train.py --config recipes/alfworld_qwen2.5-1.5b_bipace_q.yaml --print_config
+
+A recipe (`--config`) is exactly its YAML plus the dataclasses' documented defaults;
+MAIN_JOB_DEFAULTS, the CPU demo's settings, apply only to the main job (no `--config`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -20,13 +28,16 @@ from dataclasses import dataclass, field
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
+from transformers.integrations import get_available_reporting_integrations  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 
-# What `python train.py` with no arguments runs: a few minutes on a 2-core CPU. TextCraft
+# What `python train.py` without --config runs (flags still apply on top): a few minutes on a 2-core CPU. TextCraft
 # prompts are long (~450 tokens of crafting commands), so the CPU budget is one task × 2
 # rollouts × 3 turns per step; the recipes under recipes/ hold the papers' sizes.
 MAIN_JOB_DEFAULTS = dict(
@@ -58,6 +69,80 @@ class ScriptArguments:
     summary_file: str | None = field(
         default=None, metadata={"help": "Write the before/after evaluation summary as JSON to this path."}
     )
+    print_config: bool = field(
+        default=False, metadata={"help": "Print the resolved configuration as YAML and exit before loading any model."}
+    )
+
+
+def resolved_config(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> str:
+    """Every field a run uses, after recipe, flags and defaults, as flat YAML (the keys a
+    recipe or flag sets), then the estimator settings the preset resolves to, as comments."""
+
+    def section(title: str, values: dict) -> str:
+        plain = json.loads(json.dumps(values, default=str))  # enums, paths, dtypes → YAML scalars
+        return f"# {title}\n" + yaml.safe_dump(dict(sorted(plain.items())), allow_unicode=True, width=1000)
+
+    estimator = yaml.safe_dump(dataclasses.asdict(training_args.estimator), sort_keys=True).splitlines()
+    return "\n".join(
+        [
+            section("script (ScriptArguments)", dataclasses.asdict(script_args)),
+            section("model (trl.ModelConfig)", dataclasses.asdict(model_args)),
+            section("training (BiPACEConfig, TRL's GRPOConfig)", training_args.to_dict()),
+            f"# estimator: preset {training_args.preset!r} resolves to",
+            *(f"#   {line}" for line in estimator),
+        ]
+    )
+
+
+def check_trackers(training_args: BiPACEConfig) -> None:
+    """Fail before loading weights if a tracker in `report_to` is not installed."""
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in training_args.report_to if name not in ("none", "all") and name not in available]
+    if missing:
+        raise ValueError(
+            f"report_to={training_args.report_to}: {missing} not installed. Install it "
+            f"(pip install {' '.join(missing)}; tensorboard and trackio: pip install -e \".[tracking]\"), "
+            "or set --report_to none."
+        )
+
+
+def quantization_kwargs(model_args: ModelConfig) -> dict:
+    """QLoRA as TRL's scripts do it (`get_quantization_config`, weights on this process's GPU),
+    or {} without `load_in_4bit` / `load_in_8bit`. Fails before loading weights when it cannot work."""
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return {}
+    flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
+    if not model_args.use_peft:
+        raise ValueError(
+            f"{flag}=True quantizes the base model, whose weights cannot be trained: add --use_peft true "
+            "(QLoRA trains a LoRA adapter on the quantized model)."
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"{flag}=True needs bitsandbytes: pip install bitsandbytes, or drop --{flag}.")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{flag}=True needs a CUDA GPU (bitsandbytes quantizes on the GPU) and none is visible; "
+            f"drop --{flag} to train unquantized here."
+        )
+    if model_args.load_in_4bit and model_args.dtype in (None, "auto"):
+        raise ValueError(
+            f"load_in_4bit=True computes in dtype, which is {model_args.dtype!r}: set --dtype bfloat16 (or float16)."
+        )
+    # each process holds its quantized copy on its own GPU (what TRL's get_kbit_device_map did)
+    device_map = {"": PartialState().local_process_index}
+    return {"quantization_config": get_quantization_config(model_args), "device_map": device_map}
+
+
+def end_run(trainer: BiPACETrainer) -> None:
+    """Finish the trackers and destroy the process group, as TRL's scripts end (`Trainer.end()`):
+    after saving and pushing, which still need the other processes and the tracker's run.
+    TensorBoard and trackio finish at the end of `train()`; a wandb run stays open for the card."""
+    if "wandb" in trainer.args.report_to:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+    trainer.accelerator.end_training()
 
 
 def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
@@ -76,6 +161,8 @@ def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
 def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
     model_name = resolve_model_name(model_args.model_name_or_path)
     check_cluster_layer(model_name, training_args)
+    check_trackers(training_args)
+    quantization = quantization_kwargs(model_args)
     remote = training_args.trust_remote_code
     tokenizer = load_tokenizer(model_name, revision=model_args.model_revision, trust_remote_code=remote)
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
@@ -85,6 +172,7 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         dtype=dtype,
         trust_remote_code=remote,
         attn_implementation=model_args.attn_implementation,
+        **quantization,
     )
     trainer = BiPACETrainer(
         model=model, args=training_args, processing_class=tokenizer, peft_config=get_peft_config(model_args)
@@ -119,16 +207,29 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         if script_args.summary_file:
             with open(script_args.summary_file, "w") as f:
                 json.dump(summary, f, indent=2)
+    end_run(trainer)
     return summary
 
 
-def make_parser() -> TrlParser:
+def make_parser(main_job: bool = True) -> TrlParser:
+    """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS under the flags."""
     parser = TrlParser((ScriptArguments, BiPACEConfig, ModelConfig))
-    parser.set_defaults(**MAIN_JOB_DEFAULTS)
+    if main_job:
+        parser.set_defaults(**MAIN_JOB_DEFAULTS)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACEConfig, ModelConfig]:
+    """(script, training, model) arguments: a recipe (`--config`) resolves to its YAML, the
+    flags and the dataclasses' documented defaults; without one, the main job's defaults apply."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return make_parser(main_job="--config" not in argv).parse_args_and_config(args=argv)
+
+
 if __name__ == "__main__":
-    script_args, training_args, model_args = make_parser().parse_args_and_config()
+    script_args, training_args, model_args = parse_args()
+    if script_args.print_config:
+        print(resolved_config(script_args, training_args, model_args))
+        sys.exit(0)
     main(script_args, training_args, model_args)
     sys.exit(0)
