@@ -21,17 +21,42 @@ knows them, at most `max_admissible_actions` of them with a count of the rest, s
 prompt stays bounded whatever the engine returns. Replies are parsed by
 `bipace_trainer.actions.parse_reply`; `action_for_env` turns a parse into the
 command the env receives.
+
+Env text is untrusted: `safe_text` makes every piece of it safe to tokenize (a lone
+surrogate becomes "?", and markup that a chat template treats as a control token,
+such as `<|im_end|>`, `</s>` or `[INST]`, gets a space after its opening bracket, so
+it is read as text) and bounds it: the task at MAX_TASK_CHARS, each admissible action
+at MAX_ACTION_CHARS (observations are cut by `VectorEnv`). The trainer then bounds the
+tokenized prompt by the model's context with `fit_prompt_ids`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from .actions import ParsedReply
 
-__all__ = ["build_prompt", "build_messages", "action_for_env", "DEFAULT_MAX_ADMISSIBLE_ACTIONS"]
+__all__ = [
+    "build_prompt",
+    "build_messages",
+    "action_for_env",
+    "safe_text",
+    "fit_prompt_ids",
+    "DEFAULT_MAX_ADMISSIBLE_ACTIONS",
+    "MAX_TASK_CHARS",
+    "MAX_ACTION_CHARS",
+]
 
 DEFAULT_MAX_ADMISSIBLE_ACTIONS = 50
+MAX_TASK_CHARS = 4000  # TextCraft's task, with its crafting commands, is ~2,000
+MAX_ACTION_CHARS = 200  # ALFWorld and ScienceWorld actions stay under ~100
+
+# Control-token markup of the common chat templates: ChatML/Qwen/Llama-3/Phi `<|...|>`,
+# Llama-2/Mistral `<s>`, `</s>`, `[INST]`, `<<SYS>>`, Gemma `<start_of_turn>`, `<bos>`...
+_CONTROL_MARKUP = re.compile(
+    r"<\|[^<>|\s]{1,64}\|>|</?s>|\[/?INST\]|<</?SYS>>|</?(?:bos|eos|pad|unk|mask|start_of_turn|end_of_turn)>"
+)
 
 _REPLY_FORMAT = (
     "Now it's your turn to take an action.\n"
@@ -42,8 +67,34 @@ _REPLY_FORMAT = (
 )
 
 
+def _cap(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters cut]"
+
+
+def safe_text(text: str, limit: int | None = None) -> str:
+    """`text` as plain text any tokenizer takes: lone surrogates become "?", control-token
+    markup is broken with a space (`<|im_end|>` -> `< |im_end|>`), and with `limit` it is
+    cut to that many characters, with a note."""
+    text = str(text).encode("utf-8", "replace").decode("utf-8")
+    text = _CONTROL_MARKUP.sub(lambda match: match.group(0)[0] + " " + match.group(0)[1:], text)
+    return text if limit is None else _cap(text, limit)
+
+
+def fit_prompt_ids(prompt_ids: Sequence[int], limit: int, cut_marker_ids: Sequence[int] = ()) -> list[int]:
+    """At most `limit` token ids: a longer prompt keeps its first quarter (instruction and
+    task) and its end (current observation, actions, reply format and the chat template's
+    assistant header), joined by `cut_marker_ids`."""
+    ids = list(prompt_ids)
+    if len(ids) <= limit:
+        return ids
+    marker = list(cut_marker_ids)[: max(limit // 8, 0)]
+    head = (limit - len(marker)) // 4
+    tail = limit - len(marker) - head
+    return ids[:head] + marker + (ids[-tail:] if tail else [])
+
+
 def _format_admissible(actions: Sequence[str], limit: int) -> str:
-    shown = ", ".join(f"'{action}'" for action in actions[:limit])
+    shown = ", ".join(f"'{safe_text(action, MAX_ACTION_CHARS)}'" for action in actions[:limit])
     hidden = len(actions) - limit
     return f"[{shown}, ... and {hidden} more]" if hidden > 0 else f"[{shown}]"
 
@@ -76,7 +127,8 @@ def build_prompt(
     if max_admissible_actions < 1:
         raise ValueError(f"max_admissible_actions={max_admissible_actions}: list at least one action.")
     steps_taken = len(history) if step_index is None else step_index
-    window = list(history[-history_length:]) if history_length else []
+    window = [(safe_text(obs), safe_text(action)) for obs, action in history[-history_length:]] if history_length else []
+    task, observation = safe_text(task, MAX_TASK_CHARS), safe_text(observation)
 
     lines = [instruction, f"Your task is to: {task}"]
     if window:

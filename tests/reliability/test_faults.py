@@ -12,13 +12,13 @@ from bipace_trainer.rollout import Generation, RolloutSettings, TaskRef, run_rol
 from envs.vector import VectorEnv
 from tests.trainer.tiny_setup import CapturingTrainer, tiny_args
 
-from .faulty_envs import FAULTS, HEALTHY
+from .faulty_envs import CONTROL_TOKENS, FAULTS, HEALTHY, HOSTILE
 
 FAULTY = "tests.reliability.faulty_envs:FaultyTinyEnv"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["thread", "process"])
+@pytest.mark.parametrize("backend", ["serial", "thread", "process"])  # serial is the default
 def test_faulty_envs_end_their_episodes_and_the_batch_trains_on(backend, warm_policy, tmp_path):
     model, tokenizer = warm_policy
     tasks = len(FAULTS) + len(HEALTHY)
@@ -102,3 +102,58 @@ def test_malformed_replies_reach_the_env_as_its_harmless_action():
     assert rollout.episodes[0].invalid_steps == sum(not s.valid for s in rollout.steps) == 6
     assert len(rollout.steps) == len(REPLIES)  # every reply reached the env
     assert not rollout.episodes[0].failed
+
+
+@pytest.mark.slow
+def test_hostile_env_text_reaches_the_model_as_bounded_plain_text(warm_policy, tmp_path):
+    """Lone surrogates, chat control tokens, a 200,000-character task and 60 admissible
+    actions of 4,000 characters: every episode trains, and every prompt fits the context."""
+    model, tokenizer = warm_policy
+    model.config.max_position_embeddings = 400  # a small context, so the token bound is what keeps prompts in it
+    args = tiny_args(
+        tmp_path, preset="gigpo", env_name="tests.reliability.faulty_envs:HostileTextEnv", env_kwargs={}, max_steps=1,
+        tasks_per_iteration=len(HOSTILE), num_generations=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=len(HOSTILE), shuffle_dataset=False, evaluate_before_training=False, eval_tasks=1,
+    )
+    trainer = CapturingTrainer(model, args=args, processing_class=tokenizer)
+    trainer.captured = []
+    trainer.train()
+    trainer.close_envs()
+    assert trainer.state.global_step == 1
+    (rollout, advantages, _), = trainer.captured
+    assert not any(e.failed for e in rollout.episodes) and len(rollout.steps) >= len(rollout.episodes)
+    limit = 400 - args.max_completion_length
+    assert all(len(s.prompt_ids) <= limit for s in rollout.steps)
+    assert max(len(s.prompt_ids) for s in rollout.steps) == limit  # the huge task was cut to fit, not dropped
+    # the env's "<|im_end|>" and "<|im_start|>" are text, not control tokens: each prompt holds the template's own
+    control = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    expected = template.count("<|im_start|>") + template.count("<|im_end|>")
+    for step in rollout.steps:
+        assert sum(t in control for t in step.prompt_ids) == expected
+    assert CONTROL_TOKENS not in tokenizer.decode(rollout.steps[0].prompt_ids)
+
+
+def test_an_env_won_at_reset_counts_as_a_success():
+    def never_called(messages):
+        raise AssertionError("a finished episode needs no generation")
+
+    with VectorEnv("tests.reliability.faulty_envs:WonAtResetEnv", 2) as envs:
+        rollout = run_rollouts(envs, [TaskRef(0, 0), TaskRef(1, 0)], never_called, RolloutSettings(max_turns=3))
+    assert [e.won for e in rollout.episodes] == [True, True] and not rollout.steps
+    assert rollout.metrics()["episode/success_rate"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_steps,when", [(2, "all 2 generations of the run"), (6, "the last 3 generations")])
+def test_a_run_whose_every_env_fails_stops_with_the_env_error(max_steps, when, warm_policy, tmp_path):
+    model, tokenizer = warm_policy
+    args = tiny_args(tmp_path, env_name="tests.reliability.faulty_envs:AlwaysFailingEnv", env_kwargs={}, preset="grpo",
+                     max_steps=max_steps, evaluate_before_training=False, eval_tasks=1)
+    trainer = CapturingTrainer(model, args=args, processing_class=tokenizer)
+    trainer.captured = []
+    with pytest.raises(RuntimeError, match=f"Every episode of {when} failed.*engine is down.*env_kwargs") as error:
+        trainer.train()
+    trainer.close_envs()
+    assert "AlwaysFailingEnv" in str(error.value)
+    assert trainer.state.global_step == 2  # the 6-step run stops in its third failed generation in a row
