@@ -11,9 +11,19 @@ Games. With `source="auto"` (default) the env plays the official games when
 holds `json_2.1.1/{train,valid_seen,valid_unseen}/<task>/<trial>/game.tw-pddl`, and
 otherwise games generated offline from the material inside the alfworld wheel
 (`envs.alfworld_gen`, generated once and cached). `source="official"` or `"generated"`
-forces one. Games are collected as ALFWorld's `AlfredTWEnv.collect_game_files` does: every
-trial folder with `traj_data.json` and a `game.tw-pddl` marked solvable, skipping sliced-object
-and movable-receptacle trials.
+forces one. `tasks()` prints, once per process, which games it lists and why; a
+`$ALFWORLD_DATA` that holds no official games is a logged warning (with what is wrong with the
+folder) before falling back to generated games. Games are collected as ALFWorld's
+`AlfredTWEnv.collect_game_files` does: every trial folder with `traj_data.json` and a
+`game.tw-pddl` marked solvable, skipping sliced-object and movable-receptacle trials. Official
+files of every release play: before alfworld 0.4.0 (`json_2.1.1` as first published) and after
+(`json_2.1.2`, "move {o} to {r}" for "put {o} in/on {r}"); each carries its own PDDL domain and
+grammar, which the engine and the expert use.
+
+Damaged data. A game file that is empty or cut short keeps its task id (so the ids after it do
+not move) but is left out of `tasks()`, and the list of such files is logged once; resetting it,
+or a game whose JSON, PDDL or grammar does not parse, raises a ValueError naming the file and the
+fix (re-run `alfworld-download`, or delete the trial folder).
 
 Splits: "train", "valid_seen" (in-distribution evaluation), "valid_unseen" (out-of-distribution
 evaluation); "valid" is an alias of "valid_unseen". Task ids index the games of all splits
@@ -38,18 +48,26 @@ agent reads and every command it can give is the engine's:
 
 Expert. `expert_action()` is the next command of the planner expert, the plan
 `AlfredExpert(expert_type="planner")` reports in `infos["extra.expert_plan"]`: an optimal plan
-from the current state found by TextWorld's fast-downward (a blind uniform-cost search). That
-wrapper replans the whole state after every step, which takes from 0.01 s to minutes in a
-kitchen, so it is not in the stack. Instead the plan is computed when `expert_action()` is
-asked and kept while the agent follows it (the rest of an optimal plan stays optimal); it
-starts as the game's walkthrough when the game file has one (generated games do). Off the
-plan, the same search runs on the current state without the objects the goal is not about
-(`AlfredEngine.expert_plan`), 0.05-1 s, with plans as long as the full search's.
+from the current state found by TextWorld's fast-downward (a blind uniform-cost search) in the
+loaded game's own PDDL domain, written with the game's own grammar. That wrapper replans the
+whole state after every step, which takes from 0.01 s to minutes in a kitchen, so it is not in
+the stack. Instead the plan is computed when `expert_action()` is asked and kept while the
+agent follows it and its next command is admissible (the rest of an optimal plan stays
+optimal); it starts as the game's walkthrough when the game file has one (generated games do).
+Otherwise the same search runs on the current state without the objects the goal is not about
+(`AlfredEngine.expert_plan`), 0.05-1 s, with plans as long as the full search's. In a game not
+won, `expert_action()` returns None only as an expert failure: logged with the game file and
+the reason, and counted in `env.expert_failures`.
 
 Cost (2 CPU cores, generated games): a reset translates the game with fast-downward twice,
 plus twice more the first time the process plays that game: 0.3-0.9 s again, 0.8-1.9 s the
-first time, kitchens being the slowest. A step costs 60-200 ms, mostly TextWorld deriving the
-admissible commands. Calls into the engine hold a process-wide lock (TextWorld's grammar parsers
+first time, kitchens being the slowest. TextWorld derives every admissible command and every
+observation from the game's grammar at each step, re-parsing the same grammar strings with
+TatSu and deep-copying contexts each time: 60-200 ms a step, 90% of it that re-parsing and
+copying. `_MemoGrammar` derives the same text with each string parsed once per process, 5-10 ms
+a step (`memo_text=False` restores TextWorld's own derivation, for comparison). A worker's envs
+share nothing but the parse cache, so N envs in one process step at the rate of the same games
+played one at a time. Calls into the engine hold a process-wide lock (TextWorld's grammar parsers
 and fast-downward's translator are process-global state), so threads do not speed ALFWorld up:
 run many envs in a process pool (`VectorEnv(..., backend="process")`). Building an env is cheap
 (no engine until the first reset) and picklable by registry name and keyword arguments.
@@ -59,6 +77,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import logging
 import os
 import re
 from collections.abc import Collection, Sequence
@@ -66,7 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .alfworld_gen import SPLITS, TASK_TYPES, engine_guard, generated_data_dir, plan_commands
+from .alfworld_gen import SPLITS, TASK_TYPES, engine_guard, generated_data_dir, plan_operators
 from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, register_env
 
 __all__ = ["TASK_TYPES", "AlfWorldEnv", "AlfredEngine"]
@@ -79,12 +99,24 @@ _TASK_PREFIX = "Your task is to: "
 # The game file's "solvable" flag, found without parsing ~100 KB of JSON per game.
 _SOLVABLE = re.compile(rb'"solvable"\s*:\s*true')
 
+_DOMAIN_NAME = re.compile(r"\(\s*domain\s+([^\s()]+)", re.IGNORECASE)
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class _GameEntry:
     path: str  # game.tw-pddl
     split: str
     attributes: dict[str, Any]
+    damage: str = ""  # why the game file cannot be played ("" when it can)
+
+
+@dataclass(frozen=True)
+class _DataChoice:
+    root: Path  # holds json_2.1.1/
+    why: str  # which games these are and why they were chosen, for the log
+    ignored_setting: bool = False  # the user pointed at official data that is not there
 
 
 def _attributes(trial_dir: Path, data_root: Path) -> dict[str, Any]:
@@ -93,11 +125,18 @@ def _attributes(trial_dir: Path, data_root: Path) -> dict[str, Any]:
     The folder name says what traj_data.json says (which can be megabytes in the official
     data); look_at_obj_in_light names its lamp where the others name their receptacle.
     """
-    task_type, obj, mrecep, last, scene = trial_dir.parent.name.split("-")
+    try:
+        task_type, obj, mrecep, last, scene = trial_dir.parent.name.split("-")
+        scene_num = int(scene)
+    except ValueError:
+        raise ValueError(
+            f"ALFWorld task folder {trial_dir.parent} is not named <task_type>-<Object>-<MovableRecep>-"
+            "<Receptacle>-<scene number> as ALFWorld names them; rename it or move it out of json_2.1.1/."
+        ) from None
     is_look = task_type == "look_at_obj_in_light"
     return {
         "task_type": task_type,
-        "scene": int(scene),
+        "scene": scene_num,
         "object_target": obj,
         "parent_target": "" if is_look else last,
         "toggle_target": last if is_look else "",
@@ -106,50 +145,134 @@ def _attributes(trial_dir: Path, data_root: Path) -> dict[str, Any]:
     }
 
 
+def _damage(data: bytes) -> str:
+    """Why the bytes of a game file cannot be a game ("" if they may be): empty or cut short."""
+    data = data.strip()
+    if not data:
+        return "the file is empty"
+    if not (data.startswith(b"{") and data.endswith(b"}")):
+        return f"the file is cut short: it ends with {data[-20:].decode('utf-8', 'replace')!r}, not with the closing '}}'"
+    return ""
+
+
 @functools.cache
 def _games(data_root: str) -> tuple[_GameEntry, ...]:
-    """Every playable game under `data_root/json_2.1.1`, train then valid_seen then valid_unseen."""
+    """Every game under `data_root/json_2.1.1`, train then valid_seen then valid_unseen.
+
+    As ALFWorld's `AlfredTWEnv.collect_game_files`: trial folders with `traj_data.json` and a
+    `game.tw-pddl` marked solvable, without sliced objects or movable receptacles. A game file
+    that cannot be read (empty, cut short) keeps its place, with `damage` saying why, so the
+    task ids of the games after it do not change when it is repaired.
+    """
     root = Path(data_root)
     entries = []
     for split in SPLITS:
         for traj_file in sorted((root / "json_2.1.1" / split).glob("*/*/traj_data.json")):
             trial_dir = traj_file.parent
             game_file = trial_dir / "game.tw-pddl"
-            # AlfredTWEnv.collect_game_files: no sliced objects, no movable receptacles,
-            # only games marked solvable.
             if "movable" in str(trial_dir) or "Sliced" in str(trial_dir) or not game_file.is_file():
                 continue
-            if not _SOLVABLE.search(game_file.read_bytes()):
+            data = game_file.read_bytes()
+            damage = _damage(data)
+            if not damage and not _SOLVABLE.search(data):
                 continue
-            entries.append(_GameEntry(str(game_file), split, _attributes(trial_dir, root)))
+            entries.append(_GameEntry(str(game_file), split, _attributes(trial_dir, root), damage))
     return tuple(entries)
 
 
-def _data_root(
+@functools.cache
+def _report_damaged(data_root: str) -> None:
+    """Log, once per process and data root, the game files that cannot be played."""
+    damaged = [game for game in _games(data_root) if game.damage]
+    if damaged:
+        listing = "".join(f"\n  {game.path}: {game.damage}" for game in damaged)
+        logger.warning(
+            "%d ALFWorld game file(s) under %s cannot be read and are left out of the task lists "
+            "(their task ids stay reserved, so the other ids do not move):%s\nRe-run `alfworld-download` "
+            "to repair them, or delete their trial folders.",
+            len(damaged),
+            data_root,
+            listing,
+        )
+
+
+@functools.cache
+def _announce(choice: _DataChoice) -> None:
+    """Say, once per process, which games the env plays and why."""
+    if choice.ignored_setting:
+        logger.warning("AlfWorldEnv: %s", choice.why)
+    else:
+        print(f"AlfWorldEnv: {choice.why}", flush=True)
+
+
+def _official_hint(folder: Path) -> str:
+    """What is wrong with an official-data folder that has no json_2.1.1/, and how to point at the right one."""
+    if not folder.exists():
+        return f"{folder} does not exist"
+    if folder.name == "json_2.1.1":
+        return f"{folder} is the json_2.1.1 folder itself; point at its parent, {folder.parent}"
+    nested = sorted(folder.glob("*/json_2.1.1"))
+    if nested:
+        return f"{folder} has no json_2.1.1/, but {nested[0].parent} has: point there"
+    return f"{folder} holds no json_2.1.1/ folder"
+
+
+def _data_choice(
     source: str,
     data_dir: str | None,
     seed: int,
     train_games_per_type: int,
     eval_games_per_type: int,
     cache_dir: str | None,
-) -> Path:
-    """The directory holding `json_2.1.1/` for these settings (generating games if needed)."""
+) -> _DataChoice:
+    """Where the games for these settings are (generating them if needed), and why."""
+    from_env = os.environ.get("ALFWORLD_DATA")
+    ignored = ""
     if source != "generated":
-        official = Path(data_dir or os.environ.get("ALFWORLD_DATA") or "~/.cache/alfworld").expanduser()
+        official = Path(data_dir or from_env or "~/.cache/alfworld").expanduser()
+        named_by = (
+            f"data_dir={data_dir!r}"
+            if data_dir
+            else f"$ALFWORLD_DATA={from_env!r}"
+            if from_env
+            else "~/.cache/alfworld, where alfworld-download puts them ($ALFWORLD_DATA is unset)"
+        )
         if (official / "json_2.1.1").is_dir():
-            return official
+            return _DataChoice(official, f"playing the official games in {official / 'json_2.1.1'} ({named_by}).")
         if source == "official" or data_dir is not None:
             raise EnvUnavailableError(
-                f"AlfWorldEnv found no {official / 'json_2.1.1'}. Download the official games with "
-                "`alfworld-download` (they go to $ALFWORLD_DATA, default ~/.cache/alfworld) and point "
-                "data_dir or $ALFWORLD_DATA there, or use source='generated' for offline games."
+                f"AlfWorldEnv found no official games: {_official_hint(official)} (from {named_by}). Download "
+                "them with `alfworld-download` (they go to $ALFWORLD_DATA, default ~/.cache/alfworld) and point "
+                "data_dir or $ALFWORLD_DATA at the folder holding json_2.1.1/, or use source='generated' for "
+                "offline games."
             )
-    return generated_data_dir(
+        if from_env:
+            ignored = (
+                f"$ALFWORLD_DATA={from_env!r} holds no official games ({_official_hint(official)}), so source='auto' "
+                "falls back to generated games. Point $ALFWORLD_DATA at the folder holding json_2.1.1/ to play the "
+                "official games, or unset it (or pass source='generated') to silence this. "
+            )
+    root = generated_data_dir(
         seed=seed,
         train_games_per_type=train_games_per_type,
         eval_games_per_type=eval_games_per_type,
         cache_dir=cache_dir,
     )
+    sizes = f"seed {seed}, {train_games_per_type} train and {eval_games_per_type}+{eval_games_per_type} eval games per type"
+    if source == "generated":
+        why = f"playing generated games ({sizes}) in {root} (source='generated')."
+    elif ignored:
+        why = f"{ignored}Playing generated games ({sizes}) in {root}."
+    else:
+        why = (
+            f"playing generated games ({sizes}) in {root}: no official games in ~/.cache/alfworld and "
+            "$ALFWORLD_DATA is unset (run `alfworld-download` for the official ones)."
+        )
+    return _DataChoice(root, why, ignored_setting=bool(ignored))
+
+
+def _data_root(*settings) -> Path:
+    return _data_choice(*settings).root
 
 
 def _require_packages() -> None:
@@ -170,9 +293,9 @@ def _check_settings(source: str, data_dir: str | None, task_types: Sequence[str]
         raise ValueError(f"AlfWorldEnv task_types={unknown} are not ALFWorld task types; use a subset of {TASK_TYPES}.")
 
 
-def _state_problem(state, initial_problem: str, goal_types: Collection[str]) -> str:
-    """A PDDL problem starting in `state` (the engine's `PddlState`) without the objects of classes
-    outside `goal_types` that the agent does not hold, with the goal of `initial_problem`."""
+def _state_problem(state, initial_problem: str, goal_types: Collection[str], domain_name: str) -> str:
+    """A PDDL problem of domain `domain_name` starting in `state` (the engine's `PddlState`) without the
+    objects of classes outside `goal_types` that the agent does not hold, with the goal of `initial_problem`."""
     facts = list(state.facts)
     keep_types = {f"{cls}Type".lower() for cls in goal_types}  # fast-downward lower-cases names
     held = {fact.arguments[1].name for fact in facts if fact.name == "holds"}
@@ -190,11 +313,114 @@ def _state_problem(state, initial_problem: str, goal_types: Collection[str]) -> 
     ]
     indent = "\n        "
     return (
-        f"(define (problem replan)\n    (:domain alfred)\n"
+        f"(define (problem replan)\n    (:domain {domain_name})\n"
         f"    (:objects{indent}{indent.join(declarations)}\n    )\n"
         f"    (:init{indent}{indent.join(init)}\n    )\n"
         f"{initial_problem[initial_problem.index('(:goal') :]}"
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_symbols(text: str) -> tuple:
+    """TextWorld's parse of a grammar string into symbols, once per string (the parse is a pure function of it)."""
+    from textworld.envs.pddl import textgen
+
+    return tuple(textgen._parse_and_convert(text, rule_name="symbols"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _conjunctive_query(expression: str):
+    from textworld.logic import Rule
+
+    return Rule.parse_conjunctive_query(expression)
+
+
+class _MemoGrammar:
+    """TextWorld's `ContextSensitiveGrammar.derive`, giving the same text without its repeated work.
+
+    TextWorld derives every admissible command and every feedback from its grammar on every
+    step, and each derivation re-parses the same strings with a TatSu parser (the symbols of
+    each template, the conjunctive query of each condition) and deep-copies the context
+    (entity infos included) at each symbol: 90% of a step's time. This walks the same symbols
+    in the same order with the same rules, parsing each string once per process and keeping
+    each symbol's context beside it instead of in a deep copy (no symbol changes a context;
+    `query` builds a new one per match as TextWorld's does). `tests/envs/test_alfworld.py` checks
+    that observations and admissible commands match TextWorld's own derivation.
+    """
+
+    def __init__(self, grammar):
+        self._rules = grammar._rules  # the game's ContextSensitiveGrammar, which this replaces
+
+    def derive(self, start: str, context: dict) -> str:
+        from textworld.envs.pddl.textgen import (
+            ConditionalSymbol,
+            EvalSymbol,
+            ListSymbol,
+            NonterminalSymbol,
+            TerminalSymbol,
+        )
+
+        stack = [(symbol, context) for symbol in reversed(_parsed_symbols(start))]
+        derived = []
+        while stack:
+            symbol, context = stack.pop()
+            if isinstance(symbol, TerminalSymbol):
+                derived.append(str(symbol))
+            elif isinstance(symbol, NonterminalSymbol):
+                stack += [(rhs, context) for rhs in reversed(self._rhs(symbol, context))]
+            elif isinstance(symbol, ConditionalSymbol):
+                stack += reversed(self._matches(symbol, context))
+            elif isinstance(symbol, EvalSymbol):
+                stack += [(value, context) for value in reversed(symbol.derive(context))]
+            elif isinstance(symbol, ListSymbol):
+                stack += reversed(self._listed(symbol, context))
+            else:
+                raise NotImplementedError(f"Unknown symbol: {type(symbol)}")
+        return "".join(derived)
+
+    def _rhs(self, symbol, context) -> list:
+        """`ContextSensitiveGrammar.replace`: the right-hand side of the first rule whose condition holds."""
+        from textworld.envs.pddl.textgen import CSGUnknownSymbolError
+
+        rules = self._rules.get(str(symbol))
+        if not rules:
+            raise CSGUnknownSymbolError(symbol)
+        for rule in rules:
+            if not rule.condition or _holds(_conjunctive_query(rule.condition), context):
+                return rule.rhs
+        raise IndexError(f"no rule of #{symbol}# applies")  # TextWorld's rules[0] on an empty list
+
+    def _matches(self, symbol, context) -> list:
+        """`ConditionalSymbol.derive`: its expression once per match of its condition, with that match's context."""
+        if not symbol.given:
+            return [(symbol.expression, context)]
+        rule = _conjunctive_query(symbol.given)
+        matches = []
+        for mapping in context["state"].all_assignments(rule, context["mapping"]):
+            variables = dict(context["variables"])
+            variables.update({ph.name: context["entity_infos"][var.name] for ph, var in mapping.items()})
+            matches.append((symbol.expression, dict(context, variables=variables, mapping={**context["mapping"], **mapping})))
+        return matches
+
+    def _listed(self, symbol, context) -> list:
+        """`ListSymbol.derive`: the items, joined by the grammar's list separators."""
+        from textworld.envs.pddl.textgen import ConditionalSymbol, NonterminalSymbol
+
+        inner = symbol.symbol
+        if isinstance(inner, ConditionalSymbol):
+            items = self._matches(inner, context)
+        else:
+            items = [(item, context) for item in inner.derive(context)]
+        if not items:
+            return [(NonterminalSymbol("list_empty"), context)]
+        separator, last = (NonterminalSymbol("list_separator"), context), (NonterminalSymbol("list_last_separator"), context)
+        joined = [item for pair in zip(items[:-1], [separator] * (len(items) - 2) + [last]) for item in pair]
+        return joined + items[-1:]
+
+
+def _holds(rule, context) -> bool:
+    """Whether the conjunctive query `rule` has a match in the context's state."""
+    return any(True for _ in context["state"].all_assignments(rule, context["mapping"]))
 
 
 class AlfredEngine:
@@ -202,10 +428,11 @@ class AlfredEngine:
 
     The stack `textworld.gym.register_games` builds for `AlfredTWEnv` (GenericEnvironment ->
     AlfredDemangler -> AlfredInfos -> Filter), requesting `won`, `admissible_commands` and the
-    `gamefile` extra.
+    `gamefile` extra. With `memo_text` (default) the game's grammar derives its text through
+    `_MemoGrammar` (the same text, ~10x faster steps); without it, through TextWorld's own code.
     """
 
-    def __init__(self):
+    def __init__(self, memo_text: bool = True):
         import textworld
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
         from textworld.envs.wrappers import Filter, GenericEnvironment
@@ -215,15 +442,41 @@ class AlfredEngine:
         for wrapper in (AlfredDemangler(shuffle=False), AlfredInfos, Filter):
             env = wrapper(env)
         self._env = env
+        self._memo_text = memo_text
         self._game_file: str | None = None
 
     def start(self, game_file: str) -> tuple[str, dict[str, Any]]:
         """Start `game_file` from its initial state: (observation, infos)."""
         with engine_guard():
             if game_file != self._game_file:  # loading translates the game twice more: skip it on replays
-                self._env.load(game_file)
+                self._game_file = None
+                self._load(game_file)
                 self._game_file = game_file
             return self._env.reset()
+
+    def _load(self, game_file: str) -> None:
+        """Load the game, or fail naming the file, what is wrong with it and what to do."""
+        fix = (
+            "The file is damaged or not an ALFWorld game: re-run `alfworld-download` to restore it, or delete "
+            f"its trial folder {Path(game_file).parent}."
+        )
+        try:
+            game = json.loads(Path(game_file).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"ALFWorld game file {game_file} is not valid JSON ({error}). {fix}") from error
+        missing = [key for key in ("pddl_domain", "grammar", "pddl_problem") if key not in game]
+        if missing:
+            raise ValueError(f"ALFWorld game file {game_file} has no {', '.join(missing)}. {fix}")
+        try:
+            self._env.load(game_file)
+        except Exception as error:  # the PDDL translator's and TatSu's parse errors have no common base
+            raise ValueError(
+                f"ALFWorld game file {game_file}: its PDDL domain, problem or grammar does not parse "
+                f"({type(error).__name__}: {error}). {fix}"
+            ) from error
+        if self._memo_text:
+            logic = self._env.unwrapped._logic
+            logic.grammar = _MemoGrammar(logic.grammar)
 
     def step(self, command: str) -> tuple[str, dict[str, Any]]:
         with engine_guard():
@@ -234,20 +487,29 @@ class AlfredEngine:
         """The game file's "walkthrough" (commands from the initial state), or [] if it has none."""
         return list(self._env.unwrapped.walkthrough or [])
 
-    def expert_plan(self, goal_types: Collection[str]) -> list[str]:
-        """The planner expert's plan from the current state, as commands ([] if it finds none).
+    def expert_plan(self, goal_types: Collection[str]) -> list[str] | None:
+        """The planner expert's plan from the current state, as commands; None if it finds none.
 
         `AlfredExpert(expert_type="planner")` reports TextWorld's replan (`PddlState.replan`,
         a uniform-cost search) of the whole state, which can take minutes in a kitchen once the
         agent has moved things around. This runs the same search on the current state without
         the objects the goal is not about (classes outside `goal_types`, e.g. {"Apple"}, unless
         held): no action needs another object, so the plan is valid, and optimal, in the game.
+        Like TextWorld's replan, it plans in the loaded game's own PDDL domain and writes commands
+        with the game's own grammar (`PddlState.plan_to_templated_actions`): official games before
+        alfworld 0.4.0 say "put {o} in/on {r}" where later ones say "move {o} to {r}".
         """
         pddl_env = self._env.unwrapped
         with engine_guard():
-            problem = _state_problem(pddl_env._pddl_state, pddl_env._game_data["pddl_problem"], goal_types)
-            names = {name: info.name for name, info in pddl_env._entity_infos.items()}
-            return plan_commands(problem, names)
+            domain = pddl_env._game_data["pddl_domain"]
+            match = _DOMAIN_NAME.search(domain)
+            problem = _state_problem(
+                pddl_env._pddl_state, pddl_env._game_data["pddl_problem"], goal_types, match[1] if match else "alfred"
+            )
+            operators = plan_operators(problem, domain)
+            if operators is None:
+                return None
+            return pddl_env._pddl_state.plan_to_templated_actions(operators, pddl_env._entity_infos)
 
     def close(self) -> None:
         """Free the planner's memory in this engine's copy of the fast-downward library.
@@ -278,6 +540,8 @@ class AlfWorldEnv(TextEnv):
             `~/.cache/bipace_trainer/alfworld`.
         task_types: `tasks()` lists only these types (default: all six); accepted here too so
             that one keyword dict serves `tasks()` and the env.
+        memo_text: derive observations and admissible commands with `_MemoGrammar` (the same text
+            as TextWorld's derivation, ~10x faster steps); False uses TextWorld's own, for benchmarks.
     """
 
     instruction = (
@@ -296,14 +560,18 @@ class AlfWorldEnv(TextEnv):
         eval_games_per_type: int = 4,
         cache_dir: str | None = None,
         task_types: Sequence[str] | None = None,
+        memo_text: bool = True,
     ):
         _check_settings(source, data_dir, task_types)
         # Only settings here: games are listed (or generated) and the engine built on first use,
         # so an env is cheap to build in every worker of a pool.
         self._data_settings = (source, data_dir, seed, train_games_per_type, eval_games_per_type, cache_dir)
+        self._memo_text = memo_text
         self._engine: AlfredEngine | None = None
         self._game: _GameEntry | None = None
         self._plan: list[str] | None = None  # rest of the expert's plan, while the agent follows it
+        self._admissible: frozenset[str] = frozenset()
+        self.expert_failures = 0  # times expert_action() had no command in a game not won (each logged)
         self.done = True
 
     @classmethod
@@ -329,12 +597,14 @@ class AlfWorldEnv(TextEnv):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not an ALFWorld split; use one of {SPLITS} (or 'valid').")
         settings = (source, data_dir, seed, train_games_per_type, eval_games_per_type, cache_dir)
+        _announce(_data_choice(*settings))
         games = _playable_games(settings)
+        _report_damaged(str(_data_root(*settings)))
         wanted = set(task_types or TASK_TYPES)
         specs = [
             TaskSpec(task_id, split, dict(game.attributes))
             for task_id, game in enumerate(games)
-            if game.split == split and game.attributes["task_type"] in wanted
+            if game.split == split and game.attributes["task_type"] in wanted and not game.damage
         ]
         if not specs:
             raise EnvUnavailableError(
@@ -353,8 +623,13 @@ class AlfWorldEnv(TextEnv):
             raise ValueError(
                 f"AlfWorldEnv task_id={task_id} is out of range; there are {len(games)} games (0..{len(games) - 1})."
             )
+        if games[task_id].damage:
+            raise ValueError(
+                f"AlfWorldEnv task_id={task_id}: game file {games[task_id].path} cannot be read "
+                f"({games[task_id].damage}). Re-run `alfworld-download` to restore it, or delete its trial folder."
+            )
         if self._engine is None:
-            self._engine = AlfredEngine()
+            self._engine = AlfredEngine(memo_text=self._memo_text)
         self._game = games[task_id]
         observation, infos = self._engine.start(self._game.path)
         observation = observation.removeprefix(_WELCOME).lstrip("\n")
@@ -376,13 +651,45 @@ class AlfWorldEnv(TextEnv):
         return self._result(observation, infos)
 
     def expert_action(self) -> str | None:
+        """The planner expert's next command; None only when no episode runs, or as a logged, counted failure.
+
+        The plan kept from earlier calls (or the game's walkthrough) is used while its next command
+        is admissible; otherwise the expert replans from the current state. When even a fresh plan
+        has no admissible next command, the failure is logged with the game and the reason, counted
+        in `expert_failures`, and None is returned.
+        """
         if self._engine is None or self.done:
             return None
+        replanned = False
         if self._plan is None:
-            attributes = self._game.attributes
-            targets = (attributes["object_target"], attributes["toggle_target"], attributes["mrecep_target"])
-            self._plan = self._engine.expert_plan([cls for cls in targets if cls])
-        return self._plan[0] if self._plan else None
+            self._plan, replanned = self._expert_plan(), True
+        if self._plan and self._plan[0] in self._admissible:
+            return self._plan[0]
+        if not replanned:  # a walkthrough or kept plan that this state (or this game's grammar) refuses
+            self._plan = self._expert_plan()
+            if self._plan and self._plan[0] in self._admissible:
+                return self._plan[0]
+        if self._plan is None:
+            reason = "the planner found no plan from this state"
+        elif not self._plan:
+            reason = "the planner says the goal holds, but the engine does not report the game won"
+        else:
+            reason = f"the planned command {self._plan[0]!r} is not an admissible command here"
+        self._plan = None
+        self.expert_failures += 1
+        logger.warning(
+            "AlfWorldEnv expert failure #%d in %s (%s): %s.",
+            self.expert_failures,
+            self._game.path,
+            self._game.attributes["task_type"],
+            reason,
+        )
+        return None
+
+    def _expert_plan(self) -> list[str] | None:
+        attributes = self._game.attributes
+        targets = (attributes["object_target"], attributes["toggle_target"], attributes["mrecep_target"])
+        return self._engine.expert_plan([cls for cls in targets if cls])
 
     def close(self) -> None:
         if self._engine is not None:
@@ -392,12 +699,14 @@ class AlfWorldEnv(TextEnv):
 
     def _result(self, observation: str, infos: dict[str, Any]) -> StepResult:
         won = bool(infos["won"])
+        admissible = [c for c in infos["admissible_commands"] if c != "help"]
+        self._admissible = frozenset(admissible)
         return StepResult(
             observation=observation,
             reward=1.0 if won else 0.0,
             done=won,
             won=won,
-            admissible_actions=[c for c in infos["admissible_commands"] if c != "help"],
+            admissible_actions=admissible,
             anchor=observation,
             info={"task_type": self._game.attributes["task_type"], "game": self._game.attributes["game"]},
         )

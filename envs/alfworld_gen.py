@@ -510,27 +510,42 @@ def _display_names(game: _Game) -> dict[str, str]:
     return {name: demangler.demangle_alfred_name(name) for name in infos}
 
 
-def plan_commands(problem: str, names: Mapping[str, str]) -> list[str]:
-    """The planner expert's plan for `problem`, as commands; [] if it finds none or the goal holds.
-
-    The search is the uniform-cost search `PddlState.replan` runs for
-    `AlfredExpert(expert_type="planner")`, on the same translation (`optimize=True`), with this
-    process's own copy of the library; operators become commands as in
-    `PddlState.plan_to_templated_actions`, naming entities with `names` (PDDL name -> "cabinet 3").
-    """
+def _solve(problem: str, domain: str):
+    """(fast-downward's translated task, the plan's operator names or None when it finds no plan)."""
     import fast_downward
 
     with engine_guard():
-        lib, domain, templates = _planner()
+        lib = _planner()[0]
         task, sas = fast_downward.pddl2sas(domain, problem, optimize=True)
         if not lib.solve_sas(sas.encode("utf-8"), False):
-            return []
+            return task, None
         operators = (fast_downward.Operator * lib.get_last_plan_length())()
         lib.get_last_plan(operators)
+    return task, [operator.name for operator in operators]
+
+
+def plan_operators(problem: str, domain: str) -> list[str] | None:
+    """The planner expert's plan for `problem` in `domain`, as operator names ("gotolocation agent1 ...").
+
+    None if it finds no plan; [] if the goal already holds. The search is the uniform-cost
+    search `PddlState.replan` runs for `AlfredExpert(expert_type="planner")`, on the same
+    translation (`optimize=True`), with this process's own copy of the library.
+    """
+    return _solve(problem, domain)[1]
+
+
+def plan_commands(problem: str, names: Mapping[str, str]) -> list[str]:
+    """The planner expert's plan for `problem` in the wheel's domain, as commands of the wheel's grammar.
+
+    [] if it finds none or the goal holds. Operators become commands as in
+    `PddlState.plan_to_templated_actions`, naming entities with `names` (PDDL name -> "cabinet 3").
+    """
+    _, domain, templates = _planner()
+    task, plan = _solve(problem, domain)
     parameters = {a.name: [p.name.lstrip("?") for p in a.parameters] for a in task.actions}
     commands = []
-    for operator in operators:
-        action, *arguments = operator.name.split()
+    for operator in plan or []:
+        action, *arguments = operator.split()
         # TextWorld's replan special-cases go-to: its grammar template lists receptacles by location.
         template = "go to {r}" if action == "gotolocation" else templates[action]
         commands.append(template.format(**{p: names[a] for p, a in zip(parameters[action], arguments)}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import sys
 import threading
@@ -343,3 +344,199 @@ def test_official_layout_loads(generated, tmp_path, monkeypatch):
         assert _play_expert(env, spec.task_id).won
     finally:
         env.close()
+
+
+# --------------------------------------------------------------------------- official games of every release
+
+
+def _pre_040(game: dict) -> dict:
+    """A game file as official games before alfworld 0.4.0 (`json_2.1.1`) have it.
+
+    The reverse of ALFWorld's own 2.1.1 -> 2.1.2 patch: no "help" action in the domain or the
+    grammar, "put {o} in/on {r}" for "move {o} to {r}", and "You arrive at loc N." (the location)
+    for "You arrive at <receptacle>.". Official files have no walkthrough.
+    """
+    domain, grammar = game["pddl_domain"], game["grammar"]
+    start = domain.index("(:action help")
+    domain = domain[:start] + domain[domain.index("\n)\n", start) + 3 :]
+    start = grammar.index("\naction help {")
+    grammar = grammar[:start] + grammar[grammar.index("\n}\n", start) + 3 :]
+    for new, old in (
+        ("You arrive at {r.name}.", "You arrive at {lend.name}."),
+        ("move {o} to {r}", "put {o} in/on {r}"),
+        ("You move the {o.name} to the {r.name}.", "You put the {o.name} in/on the {r.name}."),
+    ):
+        assert new in grammar, new
+        grammar = grammar.replace(new, old)
+    old_game = {key: value for key, value in game.items() if key != "walkthrough"}
+    return dict(old_game, pddl_domain=domain, grammar=grammar)
+
+
+@pytest.fixture(scope="module")
+def pre_040_data(generated, tmp_path_factory) -> Path:
+    """The session's generated games, rewritten in the grammar of the official games before alfworld 0.4.0."""
+    root = tmp_path_factory.mktemp("alfworld_2.1.1")
+    shutil.copytree(generated["root"] / "json_2.1.1", root / "json_2.1.1")
+    for game_file in root.glob("json_2.1.1/*/*/*/game.tw-pddl"):
+        game_file.write_text(json.dumps(_pre_040(json.loads(game_file.read_text()))))
+    return root
+
+
+def _play_to_win(env, result, max_steps=60):
+    """Follow the expert from `result`: (the last result, the expert's commands)."""
+    actions = []
+    while not result.done and len(actions) < max_steps:
+        actions.append(env.expert_action())
+        assert actions[-1] in result.admissible_actions, (actions[-1], env._game.path)
+        result = env.step(actions[-1])
+    return result, actions
+
+
+@pytest.mark.slow
+def test_expert_wins_games_of_the_pre_040_grammar(pre_040_data, caplog):
+    """The expert plans with the loaded game's own domain and grammar, not the installed wheel's."""
+    env = AlfWorldEnv(data_dir=str(pre_040_data))
+    try:
+        for spec in AlfWorldEnv.tasks("valid_unseen", data_dir=str(pre_040_data)):  # one game per task type
+            first = env.reset(spec.task_id)
+            assert not any(c.startswith("move ") for c in first.admissible_actions)
+            go_to = next(c for c in first.admissible_actions if c.startswith("go to "))
+            assert env.step(go_to).observation.startswith("You arrive at loc ")  # the old go-to text
+            result, actions = _play_to_win(env, env.reset(spec.task_id))
+            assert result.won, spec.attributes["task_type"]
+            if spec.attributes["task_type"] != "look_at_obj_in_light":  # the others end by putting the object
+                assert re.fullmatch(r"put .+ in/on .+", actions[-1]), actions
+        assert env.expert_failures == 0 and "expert failure" not in caplog.text
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_expert_wins_pre_040_games_from_mid_game(pre_040_data):
+    import random
+
+    env = AlfWorldEnv(data_dir=str(pre_040_data))
+    try:
+        for spec in AlfWorldEnv.tasks("valid_seen", data_dir=str(pre_040_data)):
+            rng = random.Random(spec.task_id)
+            result = env.reset(spec.task_id)
+            for _ in range(8):  # the agent wanders first: take, open, move things
+                if result.done:
+                    break
+                result = env.step(rng.choice(result.admissible_actions))
+            assert _play_to_win(env, result)[0].won, spec.attributes["task_type"]
+        assert env.expert_failures == 0
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_expert_failure_is_logged_and_counted(generated, tmp_path, caplog):
+    """A game whose grammar words go-to as "walk to": the plan's "go to ..." is refused, and the expert says so."""
+    root = tmp_path / "data"
+    shutil.copytree(generated["root"] / "json_2.1.1", root / "json_2.1.1")
+    spec = _first(AlfWorldEnv.tasks("valid_unseen", data_dir=str(root)), "pick_and_place_simple")
+    game_file = root / "json_2.1.1" / spec.attributes["game"] / "game.tw-pddl"
+    game = json.loads(game_file.read_text())
+    assert 'template :: "go to [' in game["grammar"]
+    game_file.write_text(
+        json.dumps(dict(game, grammar=game["grammar"].replace('template :: "go to [', 'template :: "walk to [')))
+    )
+
+    env = AlfWorldEnv(data_dir=str(root))
+    try:
+        result = env.reset(spec.task_id)
+        assert any(c.startswith("walk to ") for c in result.admissible_actions)
+        assert env.expert_action() is None and not env.done
+        assert env.expert_failures == 1
+        assert "expert failure #1" in caplog.text and str(game_file) in caplog.text
+        assert "planned command 'go to " in caplog.text and "is not an admissible command here" in caplog.text
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_memoised_text_is_textworlds_text(generated):
+    """`_MemoGrammar` derives the same observations and admissible commands as TextWorld's own grammar."""
+    import random
+
+    specs = AlfWorldEnv.tasks("valid_unseen", **generated["kwargs"])[::2]  # TextWorld's own text costs ~0.1 s a step
+    plays = {}
+    for memo_text in (False, True):
+        env = AlfWorldEnv(memo_text=memo_text, **generated["kwargs"])
+        rng, seen = random.Random(0), []
+        try:
+            for spec in specs:
+                result = env.reset(spec.task_id)
+                seen.append((result.observation, result.admissible_actions))
+                for _ in range(5):
+                    result = env.step(rng.choice(result.admissible_actions))
+                    seen.append((result.observation, result.admissible_actions))
+        finally:
+            env.close()
+        plays[memo_text] = seen
+    assert plays[True] == plays[False]
+    assert len({observation for observation, _ in plays[True]}) > len(specs) * 3  # the walk saw many states
+
+
+# --------------------------------------------------------------------------- damaged data, and which data is played
+
+
+def _trial(root: Path, split: str, folder: str, trial: str, content: str) -> Path:
+    trial_dir = root / "json_2.1.1" / split / folder / trial
+    trial_dir.mkdir(parents=True)
+    (trial_dir / "traj_data.json").write_text("{}")
+    (trial_dir / "game.tw-pddl").write_text(content)
+    return trial_dir / "game.tw-pddl"
+
+
+def test_cut_short_game_is_listed_once_and_keeps_its_task_id(tmp_path, caplog):
+    folder = "pick_and_place_simple-Mug-None-Desk-311"
+    _trial(tmp_path, "valid_seen", folder, "trial_A", '{"solvable": true}')
+    cut = _trial(tmp_path, "valid_seen", folder, "trial_B", '{"pddl_domain": "(define (domain alfred)')
+    _trial(tmp_path, "valid_seen", folder, "trial_C", '{"solvable": true}')
+    for _ in range(2):
+        specs = AlfWorldEnv.tasks("valid_seen", data_dir=str(tmp_path))
+    assert [spec.task_id for spec in specs] == [0, 2]  # trial_C keeps id 2 whether B is readable or not
+    assert caplog.text.count(str(cut)) == 1 and "cut short" in caplog.text and "alfworld-download" in caplog.text
+    with pytest.raises(ValueError, match=f"task_id=1: game file {cut}.*cut short.*alfworld-download"):
+        AlfWorldEnv(data_dir=str(tmp_path)).reset(1)
+
+
+def test_corrupt_game_file_errors_name_the_file_and_the_fix(tmp_path):
+    domain = Path(alfworld.info.ALFRED_PDDL_PATH).read_text()
+    grammar = Path(alfworld.info.ALFRED_TWL2_PATH).read_text()
+    folder = "pick_and_place_simple-Mug-None-Desk-311"
+    bad_json = _trial(tmp_path, "valid_seen", folder, "trial_A", '{"solvable": true, "pddl_domain": }')
+    bad_pddl = _trial(
+        tmp_path,
+        "valid_seen",
+        folder,
+        "trial_B",
+        json.dumps({"pddl_domain": domain, "grammar": grammar, "pddl_problem": "(define (problem p", "solvable": True}),
+    )
+    env = AlfWorldEnv(data_dir=str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=f"{bad_json} is not valid JSON.*alfworld-download"):
+            env.reset(0)
+        with pytest.raises(ValueError, match=f"{bad_pddl}: its PDDL domain, problem or grammar does not parse"):
+            env.reset(1)
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_auto_says_why_it_ignores_a_mistyped_alfworld_data(generated, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "alfworld_dta"))
+    kwargs = {key: value for key, value in generated["kwargs"].items() if key != "source"}
+    assert len(AlfWorldEnv.tasks("valid_seen", **kwargs)) == len(TASK_TYPES)  # source="auto": generated games
+    assert f"$ALFWORLD_DATA='{tmp_path / 'alfworld_dta'}'" in caplog.text
+    assert "does not exist" in caplog.text and "falls back to generated games" in caplog.text
+
+
+def test_official_data_errors_say_where_json_2_1_1_is(tmp_path):
+    (tmp_path / "data" / "json_2.1.1").mkdir(parents=True)
+    with pytest.raises(EnvUnavailableError, match="is the json_2.1.1 folder itself; point at its parent"):
+        AlfWorldEnv.tasks("train", data_dir=str(tmp_path / "data" / "json_2.1.1"))
+    with pytest.raises(EnvUnavailableError, match=f"{tmp_path / 'data'} has: point there"):
+        AlfWorldEnv.tasks("train", data_dir=str(tmp_path))
