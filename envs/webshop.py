@@ -1,6 +1,6 @@
 """WebShop (Yao et al., 2022, https://arxiv.org/abs/2207.01206): buy the product an instruction asks for.
 
-    pip install -e ".[webshop]"           # rank-bm25 and rapidfuzz, for the offline shop
+    pip install -e ".[webshop]"           # bm25s and rapidfuzz, for the offline shop
     env = make_env("webshop")             # source="generated": offline, 1,000 generated products
     spec = WebShopEnv.tasks("train")[0]
     first = env.reset(spec.task_id)       # env.task: "i need a sulfate free shampoo with scent: mint, ..."
@@ -76,7 +76,7 @@ from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, register_e
 
 __all__ = ["WebShopEnv", "split_of", "search_keywords", "WEBSHOP_MODULES"]
 
-INSTALL_HINT = "pip install -e '.[webshop]'  (rank-bm25, rapidfuzz)"
+INSTALL_HINT = "pip install -e '.[webshop]'  (bm25s, rapidfuzz)"
 WEBSHOP_HINT = (
     "clone princeton-nlp/WebShop, run its setup.sh -d small (data, spaCy model, search index) and put "
     "the clone on PYTHONPATH; pyserini needs a Java it supports (Java 21 for recent pyserini)"
@@ -127,7 +127,7 @@ def _check_settings(source: str, reward: str, num_products: int | None) -> None:
 
 
 def _missing_generated() -> list[str]:
-    return [name for name in ("rank_bm25", "rapidfuzz") if importlib.util.find_spec(name) is None]
+    return [name for name in ("bm25s", "rapidfuzz") if importlib.util.find_spec(name) is None]
 
 
 def _missing_webshop(num_products: int | None) -> list[str]:
@@ -253,7 +253,7 @@ class WebShopEnv(TextEnv):
         self._settings = (source, seed, num_products, cache_dir, bool(human_goals))
         self.reward_mode = reward
         self._engine = None
-        self._fallback = False  # the expert did not find the target among the results
+        self._expert_stage = 0  # see expert_action
         self.done = True
 
     @classmethod
@@ -301,7 +301,7 @@ class WebShopEnv(TextEnv):
         page, _ = self._engine.reset(session=int(task_id))
         self.task = self._engine.instruction_text
         self.done = False
-        self._fallback = False
+        self._expert_stage = 0
         return self._result(page)
 
     def step(self, action: str) -> StepResult:
@@ -340,18 +340,25 @@ class WebShopEnv(TextEnv):
     # -- expert --------------------------------------------------------------------------
 
     def expert_action(self) -> str | None:
-        """The oracle's next action; see the module docstring. Knows the goal's target product."""
+        """The oracle's next action; see the module docstring. Knows the goal's target product.
+
+        It searches the instruction's key words, then (if the target is not among those 50
+        results) the target's title, then buys the first product shown with the goal's options.
+        `_expert_stage` (0, 1, 2) records how far it got; it only moves on at an empty results
+        page past the last result of its own search, so asking twice changes nothing.
+        """
         if self._engine is None or self.done:
             return None
         session = self._session()
         goal = session["goal"]
         target = goal["asin"].lower()
+        queries = [search_keywords(self.task).lower(), _plain_query(goal.get("name", ""))]
         available = self._engine.get_available_actions()
         clickables = available["clickables"]
         if available["has_search_bar"]:
-            return f"search[{search_keywords(self.task)}]"
+            return f"search[{queries[min(self._expert_stage, 1)]}]"
         if "buy now" in clickables:  # an item page
-            if (session.get("asin") or "").lower() != target and not self._fallback:
+            if (session.get("asin") or "").lower() != target and self._expert_stage < 2:
                 return "click[< prev]"
             wanted = goal["goal_options"].values() if isinstance(goal["goal_options"], dict) else goal["goal_options"]
             chosen = set(session.get("options", {}).values())
@@ -363,14 +370,23 @@ class WebShopEnv(TextEnv):
         if "next >" in clickables:  # a results page
             if target in clickables:
                 return f"click[{target}]"
-            if _joined(session.get("keywords")) != search_keywords(self.task).lower():
-                return "click[back to search]"  # the agent's own search: make the expert's
+            searched = _joined(session.get("keywords"))
+            if self._expert_stage < 2 and searched != queries[self._expert_stage]:
+                return "click[back to search]"  # another search's results: make the expert's
             products = [c for c in clickables if c not in _PAGE_BUTTONS]
             if products:
-                return f"click[{products[0]}]" if self._fallback else "click[next >]"
-            self._fallback = True  # past the last result: the target is not among them
-            return "click[< prev]" if "< prev" in clickables else "click[back to search]"
+                return f"click[{products[0]}]" if self._expert_stage == 2 else "click[next >]"
+            if searched in queries:  # past the last result of the expert's search k: move on to stage k + 1
+                self._expert_stage = max(self._expert_stage, queries.index(searched) + 1)
+            if self._expert_stage == 2 and "< prev" in clickables:
+                return "click[< prev]"
+            return "click[back to search]"
         return "click[< prev]"  # a sub page
+
+
+def _plain_query(text: str) -> str:
+    """`text` usable inside search[...]: lower case, no brackets, white space folded."""
+    return " ".join(str(text).lower().replace("[", " ").replace("]", " ").split())
 
 
 def _joined(keywords: str | list[str] | None) -> str:

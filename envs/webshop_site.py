@@ -32,8 +32,9 @@ page (options are reset there), and from results page k to k - 1; an option clic
 option; "buy now" ends the episode with the reward. Anything else changes nothing.
 
 Search is BM25 over each product's title, description, first bullet point and option text
-(the fields WebShop indexes with Lucene), with Lucene's default k1 = 0.9, b = 0.4, by
-`rank_bm25` (pip install rank-bm25).
+(the fields WebShop indexes with Lucene), scored as Lucene scores it with pyserini's k1 = 0.9,
+b = 0.4, by `bm25s` (pip install bm25s; `method="lucene"`), on lower-cased alphanumeric
+tokens (pyserini's analyzer also stems and drops stop words).
 
 The reward is WebShop's (`get_reward` in `web_agent_site/engine/goal.py`, paper §3.1):
 
@@ -59,6 +60,8 @@ import functools
 import re
 import threading
 from typing import Any
+
+import numpy as np
 
 __all__ = ["webshop_reward", "GeneratedServer", "GeneratedTextEnv", "SEARCH_RETURN_N", "PRODUCT_WINDOW"]
 
@@ -146,29 +149,30 @@ def webshop_reward(
 
 
 class _BM25Index:
-    """Top-`SEARCH_RETURN_N` products by BM25 over the fields WebShop indexes."""
+    """Top-`SEARCH_RETURN_N` products by Lucene's BM25 (k1 0.9, b 0.4) over the fields WebShop indexes."""
 
     def __init__(self, products: list[dict[str, Any]]):
         try:
-            from rank_bm25 import BM25Okapi
+            import bm25s
         except ImportError as err:
             from .base import EnvUnavailableError
 
-            raise EnvUnavailableError(f"WebShopEnv needs rank-bm25 ({err}). Install: pip install -e '.[webshop]'") from err
+            raise EnvUnavailableError(f"WebShopEnv needs bm25s ({err}). Install: pip install -e '.[webshop]'") from err
         documents = []
         for product in products:
             option_text = ", and ".join(f"{name}: {', '.join(values)}" for name, values in product["options"].items())
             text = " ".join([product["Title"], product["Description"], product["BulletPoints"][0], option_text])
             documents.append(_TOKEN.findall(text.lower()))
-        self._bm25 = BM25Okapi(documents, k1=0.9, b=0.4)
+        self._bm25 = bm25s.BM25(k1=0.9, b=0.4, method="lucene")  # pyserini's defaults
+        self._bm25.index(documents, show_progress=False)
 
     def search(self, keywords: str) -> list[int]:
         tokens = _TOKEN.findall(keywords.lower())
         if not tokens:
             return []
         scores = self._bm25.get_scores(tokens)
-        ranked = sorted((i for i in range(len(scores)) if scores[i] > 0), key=lambda i: (-scores[i], i))
-        return ranked[:SEARCH_RETURN_N]
+        ranked = np.argsort(-scores, kind="stable")[:SEARCH_RETURN_N]  # ties: catalogue order
+        return [int(i) for i in ranked if scores[i] > 0]  # Lucene returns only documents that match
 
 
 class GeneratedServer:

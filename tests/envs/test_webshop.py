@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("rank_bm25", reason="pip install -e '.[webshop]'")
+pytest.importorskip("bm25s", reason="pip install -e '.[webshop]'")
 pytest.importorskip("rapidfuzz", reason="pip install -e '.[webshop]'")
 
 import envs.webshop as webshop  # noqa: E402
