@@ -325,6 +325,26 @@ def test_expert_recovers_after_detours(env, cache_dir):
     assert result.won
 
 
+def test_expert_searches_the_title_past_the_end_of_its_results_then_buys_what_is_shown(env, catalog, cache_dir):
+    task_id = _tasks("train", cache_dir)[7].task_id
+    goal = catalog["goals"][task_id]
+    env.reset(task_id)
+    env.step(f"search[{search_keywords(env.task)}]")
+    for _ in range(5):
+        env.step("click[next >]")  # page 6: past the 50 results, as if the target were not among them
+    assert env.expert_action() == env.expert_action() == "click[back to search]"  # asking twice changes nothing
+    env.step("click[back to search]")
+    assert env.expert_action() == f"search[{goal['name'].lower()}]"
+    titled = env.step(env.expert_action())
+    assert f"click[{goal['asin'].lower()}]" in titled.admissible_actions
+    for _ in range(5):
+        env.step("click[next >]")
+    assert env.expert_action() == "click[< prev]"  # stage 2: buy the first product shown
+    env.step("click[< prev]")
+    shown = next(a for a in env.step("click[< prev]").admissible_actions if a.startswith("click[b0"))
+    assert env.expert_action() in (shown, f"click[{goal['asin'].lower()}]")
+
+
 # -- through VectorEnv and against WebShop's own interface -----------------------------------
 
 
