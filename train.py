@@ -177,6 +177,7 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     trainer = BiPACETrainer(
         model=model, args=training_args, processing_class=tokenizer, peft_config=get_peft_config(model_args)
     )
+    trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model(training_args.output_dir)
@@ -223,7 +224,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     """(script, training, model) arguments: a recipe (`--config`) resolves to its YAML, the
     flags and the dataclasses' documented defaults; without one, the main job's defaults apply."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return make_parser(main_job="--config" not in argv).parse_args_and_config(args=argv)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    script_args, training_args, model_args = make_parser(main_job="--config" not in argv).parse_args_and_config(args=argv)
+    script_args.recipe = recipe
+    return script_args, training_args, model_args
 
 
 if __name__ == "__main__":

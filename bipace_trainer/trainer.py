@@ -47,6 +47,7 @@ from .config import BiPACEConfig
 from .prompting import fit_prompt_ids
 from .hidden import PositionCapture, PrefillCapture, forward_hidden_states, resolve_layer_module
 from . import trajectories
+from .model_card import model_card
 from .rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
 from .vllm_backend import (
     WeightSyncs,
@@ -807,44 +808,3 @@ def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) 
             result[f"success_rate/{report_key}={key}"] = value
     return result
 
-
-def model_card(trainer: BiPACETrainer, model_name: str) -> str:
-    args = trainer.args
-    base = getattr(trainer.model.config, "_name_or_path", "") or "unknown"
-    final = next((e for e in reversed(trainer.eval_history) if e.get("tag") == "final"), None)
-    before = next((e for e in trainer.eval_history if e.get("tag") == "before"), None)
-    est = args.estimator
-    eps = trainer.estimator.cluster_eps if trainer.estimator.cluster_eps is not None else est.cluster_eps
-    lines = [
-        "---",
-        f"base_model: {base}" if not os.path.isdir(base) else "base_model: SmolLM2-135M-Instruct (embedded)",
-        "library_name: peft" if hasattr(trainer.model, "peft_config") else "library_name: transformers",
-        "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + args.env_name + ", " + args.preset + "]",
-        "---",
-        f"# {model_name}",
-        "",
-        f"An agent for the **{args.env_name}** text environment, trained with step-level RL by "
-        f"[bipace-trainer](https://github.com/) (preset **{args.preset}**) from base model `{base}`.",
-        "",
-        "## Estimator",
-        f"- preset: `{args.preset}`; partition `{est.partition}`, baseline `{est.baseline}`, "
-        f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.gamma}, norm `{est.norm}`",
-        f"- cluster layer {args.cluster_layer}, ε {eps}",
-        f"- rollouts per task {args.num_generations}, tasks per iteration {args.tasks_per_iteration}, "
-        f"max turns {args.max_turns}, history {args.history_length}",
-        "",
-        "## Evaluation",
-    ]
-    if final:
-        lines.append(
-            f"Final success rate on {final['num_tasks']} `{args.eval_split}` tasks "
-            f"(temperature {args.eval_temperature}): **{final['success_rate']:.3f}**"
-            + (f" (before training: {before['success_rate']:.3f})" if before else "")
-        )
-        for key, value in final.get("per_type", {}).items():
-            lines.append(f"- {trainer.env_class.report_key}={key}: {value:.3f}")
-    else:
-        lines.append("No final evaluation was run.")
-    lines += ["", "## Use", "```python", "from peft import AutoPeftModelForCausalLM",
-              f"model = AutoPeftModelForCausalLM.from_pretrained({model_name!r})", "```", ""]
-    return "\n".join(lines)

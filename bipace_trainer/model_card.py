@@ -1,0 +1,182 @@
+"""The model card `BiPACETrainer` writes next to the weights and pushes to the Hub.
+
+It names the project (its home as the package metadata states it, no link when none is
+set), the base model, env, preset and recipe, the training settings, the evaluation per
+task type, the trackers' run links, and the papers to cite.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trl
+
+from .models import cache_dir
+
+if TYPE_CHECKING:
+    from .trainer import BiPACETrainer
+
+__all__ = ["model_card", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS"]
+
+PROJECT = "bipace-trainer"
+# title, link (None where none is public); SPEC §4 names which method each preset is
+PAPERS = {
+    "bipace": (
+        "BiPACE: Bisimulation-Guided Policy Optimization with Action Counterfactual Estimation for LLM Agents",
+        "https://github.com/TianxiangZhao/BiPACE",
+    ),
+    "gigpo": ("Group-in-Group Policy Optimization for LLM Agent Training (GiGPO)", "https://arxiv.org/abs/2505.10978"),
+    "gagpo": ("Generalized Advantage Grouped Policy Optimization (GAGPO)", None),
+    "grpo": (
+        "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models (GRPO)",
+        "https://arxiv.org/abs/2402.03300",
+    ),
+}
+PRESET_PAPERS = {
+    "grpo": ["grpo"],
+    "gigpo": ["gigpo", "grpo"],
+    "bigpo": ["bipace", "gigpo", "grpo"],
+    "bipace_q": ["bipace", "gigpo", "grpo"],
+    "bipace_diff": ["bipace", "gigpo", "grpo"],
+    "gagpo": ["gagpo", "gigpo", "grpo"],
+    "bigagpo": ["gagpo", "bipace", "gigpo", "grpo"],
+}
+TRL_CITATION = """@software{vonwerra2020trl,
+  title   = {{TRL: Transformers Reinforcement Learning}},
+  author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},
+  license = {Apache-2.0},
+  url     = {https://github.com/huggingface/trl},
+  year    = {2020}
+}"""  # noqa: E501 - TRL's own citation, as its model-card template gives it
+
+
+def project_url() -> str | None:
+    """The project's home from its package metadata (pyproject `[project.urls]`), or None."""
+    try:
+        metadata = importlib.metadata.metadata(PROJECT)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for entry in metadata.get_all("Project-URL") or []:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in ("homepage", "home", "repository", "source", "code"):
+            return url.strip()
+    home = metadata.get("Home-page")
+    return home if home and home != "UNKNOWN" else None
+
+
+def tracker_links(report_to: list[str]) -> list[str]:
+    """Where the run's metrics are: the trackers' run URLs when they have one."""
+    links = []
+    if "wandb" in report_to:
+        import wandb
+
+        if wandb.run is not None and wandb.run.url:
+            links.append(f"[Weights & Biases run]({wandb.run.url})")
+    if "trackio" in report_to:
+        from trl.trainer.utils import get_trackio_space_url
+
+        url = get_trackio_space_url()
+        links.append(f"[Trackio run]({url})" if url else "Trackio (local, `trackio show`)")
+    if "tensorboard" in report_to:
+        links.append("TensorBoard logs in the training output's `runs/`")
+    return links
+
+
+def _base_model(name_or_path: str) -> tuple[str, str | None]:
+    """(how the card names the base model, its Hub id or None for a local checkpoint)."""
+    if name_or_path and Path(name_or_path).parent == cache_dir() / "models":
+        return "SmolLM2-135M-Instruct (embedded)", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if os.path.isdir(name_or_path):
+        return f"a local checkpoint ({Path(name_or_path).name})", None
+    return name_or_path or "unknown", name_or_path or None
+
+
+def _evaluation(trainer: BiPACETrainer) -> list[str]:
+    args = trainer.args
+    final = next((e for e in reversed(trainer.eval_history) if e.get("tag") == "final"), None)
+    before = next((e for e in trainer.eval_history if e.get("tag") == "before"), None)
+    if not final:
+        return ["No final evaluation was run."]
+    lines = [
+        f"Final success rate on {final['num_tasks']} `{args.eval_split}` tasks "
+        f"(temperature {args.eval_temperature}): **{final['success_rate']:.3f}**"
+        + (f" (before training: {before['success_rate']:.3f})" if before else ""),
+        "",
+        f"| {trainer.env_class.report_key or 'tasks'} | success after training | before training |",
+        "|---|---|---|",
+        f"| all | {final['success_rate']:.3f} | {before['success_rate']:.3f} |" if before
+        else f"| all | {final['success_rate']:.3f} | – |",
+    ]
+    before_types = (before or {}).get("per_type", {})
+    for key, value in final.get("per_type", {}).items():
+        earlier = f"{before_types[key]:.3f}" if key in before_types else "–"
+        lines.append(f"| {key} | {value:.3f} | {earlier} |")
+    return lines
+
+
+def _citations(preset: str) -> list[str]:
+    lines = []
+    for key in PRESET_PAPERS.get(preset, ["grpo"]):
+        title, url = PAPERS[key]
+        lines.append(f"- [{title}]({url})" if url else f"- {title}")
+    grpo = trl.GRPOTrainer._paper["citation"]
+    return lines + ["", "```bibtex", grpo, "", TRL_CITATION, "```"]
+
+
+def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | None = None) -> str:
+    """The card's markdown. `trackers`: lines for the tracking section (default: `tracker_links`)."""
+    args = trainer.args
+    base, hub_id = _base_model(getattr(trainer.model.config, "_name_or_path", "") or "")
+    est = args.estimator
+    eps = trainer.estimator.cluster_eps if trainer.estimator.cluster_eps is not None else est.cluster_eps
+    peft = getattr(trainer.model, "peft_config", None)
+    adapter = next(iter(peft.values())) if peft else None
+    url = project_url()
+    project = f"[{PROJECT}]({url})" if url else f"{PROJECT} (`pip install {PROJECT}`)"
+    recipe = getattr(trainer, "recipe", None)
+    trackers = tracker_links(args.report_to) if trackers is None else trackers
+    lines = [
+        "---",
+        *([f"base_model: {hub_id}"] if hub_id else []),
+        "library_name: peft" if peft else "library_name: transformers",
+        "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + args.env_name + ", " + args.preset + "]",
+        "---",
+        f"# {model_name}",
+        "",
+        f"An agent for the **{args.env_name}** text environment, trained with step-level RL by "
+        f"{project} (preset **{args.preset}**) from base model `{base}`.",
+        "",
+        "## Training",
+        f"- recipe: `{recipe}`" if recipe else "- recipe: none (the command line's settings)",
+        f"- {trainer.state.global_step} optimizer steps with `BiPACETrainer` on TRL {trl.__version__}; "
+        + (f"LoRA r {adapter.r}, α {adapter.lora_alpha}" if adapter else "every parameter trained"),
+        f"- learning rate {args.learning_rate} ({getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)}), "
+        f"KL β {args.beta}, clip ε {args.epsilon}, rollout temperature {args.temperature}",
+        f"- rollouts per task {args.num_generations}, tasks per iteration {args.tasks_per_iteration}, "
+        f"max turns {args.max_turns}, history {args.history_length}",
+        "- tracking: " + ("; ".join(trackers) if trackers else "none"),
+        "",
+        "## Estimator",
+        f"- preset: `{args.preset}`; partition `{est.partition}`, baseline `{est.baseline}`, "
+        f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.gamma}, norm `{est.norm}`",
+        f"- cluster layer {args.cluster_layer}, ε {eps}",
+        "",
+        "## Evaluation",
+        *_evaluation(trainer),
+        "",
+        "## Use",
+        "```python",
+        "from peft import AutoPeftModelForCausalLM" if peft else "from transformers import AutoModelForCausalLM",
+        f"model = {'AutoPeftModelForCausalLM' if peft else 'AutoModelForCausalLM'}.from_pretrained({model_name!r})",
+        "```",
+        "",
+        "## Citation",
+        "The methods behind this preset:",
+        "",
+        *_citations(args.preset),
+        "",
+    ]
+    return "\n".join(lines)

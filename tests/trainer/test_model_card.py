@@ -1,0 +1,57 @@
+"""The model card pushed with a recipe run (to a recording stand-in for the Hub API) says
+what was trained, from what, how, how well per task type, where its metrics are and
+which papers to cite, and links nowhere the project does not state."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bipace_trainer.model_card import PAPERS, project_url, tracker_links
+
+from .test_checkpoints import RecordingHubApi
+from .test_recipe_run import shrunk_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_card_pushed_with_a_recipe_run(warm_policy_dir, tmp_path, monkeypatch):
+    import transformers.trainer
+
+    hub = RecordingHubApi()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    path, recipe = shrunk_recipe(tmp_path, warm_policy_dir, max_steps=1, save_strategy="no", push_to_hub=True,
+                                 hub_model_id="tiny-agent")
+    summary = train.main(*train.parse_args(["--config", str(path)]))
+
+    upload = hub.uploads[-1]
+    assert upload["message"] == "gigpo on tiny" and "model.safetensors" in upload["files"]
+    card = upload["files"]["README.md"].decode()
+    front_matter = yaml.safe_load(card.split("---")[1])
+    assert front_matter["library_name"] == "transformers"  # the recipe trains every parameter
+    assert "base_model" not in front_matter  # a local checkpoint has no Hub id to link
+    assert "from base model `a local checkpoint (model)`" in card and "every parameter trained" in card
+    assert "**tiny**" in card and "preset **gigpo**" in card and f"- recipe: `{path}`" in card
+    # the project's own link only when its metadata states one, never a placeholder
+    assert "https://github.com/)" not in card
+    assert (f"[bipace-trainer]({project_url()})" if project_url() else "bipace-trainer (`pip install bipace-trainer`)") in card
+    # evaluation per task type, after and before training
+    final, before = summary["success_after"], summary["success_before"]
+    assert f"| all | {final:.3f} | {before:.3f} |" in card
+    for task_type, success in summary["per_type_after"].items():
+        assert f"| {task_type} | {success:.3f} |" in card
+    assert "- tracking: TensorBoard logs in the training output's `runs/`" in card  # the recipe's tracker
+    title, url = PAPERS["gigpo"]
+    assert f"- [{title}]({url})" in card and "@article{shao2024deepseekmath" in card and "vonwerra2020trl" in card
+
+
+def test_tracker_links():
+    assert tracker_links([]) == []
+    assert tracker_links(["tensorboard"]) == ["TensorBoard logs in the training output's `runs/`"]
