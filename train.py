@@ -62,6 +62,10 @@ MAIN_JOB_DEFAULTS = dict(
 )
 
 
+# Exit code of a run stopped by SIGTERM before it finished (128 + SIGTERM, the shell's convention).
+EXIT_STOPPED = 143
+
+
 @dataclass
 class ScriptArguments:
     """Arguments of this script that are not training or model settings."""
@@ -180,9 +184,10 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model(training_args.output_dir)
-        if training_args.push_to_hub:
-            trainer.push_to_hub(commit_message=f"{training_args.preset} on {training_args.env_name}")
+        if not trainer.interrupted:  # a stopped run is not final: its weights stay in its last checkpoint
+            trainer.save_model(training_args.output_dir)
+            if training_args.push_to_hub:
+                trainer.push_to_hub(commit_message=f"{training_args.preset} on {training_args.env_name}")
     finally:
         trainer.close_envs()
 
@@ -196,7 +201,14 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         "success_after": evals.get("final", {}).get("success_rate"),
         "per_type_after": evals.get("final", {}).get("per_type", {}),
         "output_dir": training_args.output_dir,
+        "stopped": trainer.interrupted,
     }
+    if trainer.accelerator.is_main_process and trainer.interrupted:
+        print(
+            f"\n=== stopped by SIGTERM at step {summary['steps']} ===\nNothing was saved as the final model or "
+            f"pushed. Resume with --resume_from_checkpoint true (the latest checkpoint in {training_args.output_dir}); "
+            f"exit code {EXIT_STOPPED}."
+        )
     if trainer.accelerator.is_main_process:
         before, after = summary["success_before"], summary["success_after"]
         print("\n=== summary ===")
@@ -235,5 +247,5 @@ if __name__ == "__main__":
     if script_args.print_config:
         print(resolved_config(script_args, training_args, model_args))
         sys.exit(0)
-    main(script_args, training_args, model_args)
-    sys.exit(0)
+    summary = main(script_args, training_args, model_args)
+    sys.exit(EXIT_STOPPED if summary["stopped"] else 0)
