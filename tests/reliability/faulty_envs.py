@@ -7,8 +7,11 @@ like `TinyEnv`.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 from envs.base import StepResult, TaskSpec
 from envs.tiny import TinyEnv
@@ -127,3 +130,45 @@ class WonAtResetEnv(TinyEnv):
         super().reset(task_id)
         self.done = True
         return StepResult("The goal is already reached.", done=True, won=True, anchor="solved")
+
+
+class SigtermEnv(TinyEnv):
+    """Sends SIGTERM to its own process, as $SIGTERM_AT says: "step" (at the run's first
+    step), "step_twice" (twice there, 2 s apart), or "eval" (at the first reset
+    of a valid-split task: in the final evaluation when evaluate_before_training is off)."""
+
+    sent = False
+
+    def _terminate(self, times: int = 1) -> None:
+        SigtermEnv.sent = True
+        # Two signals the main thread has not handled yet count as one: space them wider than
+        # the 1 s at which a waiting VectorEnv wakes, and keep this call running meanwhile.
+        for k in range(times):
+            if k:
+                time.sleep(2.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.5)
+
+    def reset(self, task_id: int) -> StepResult:
+        if os.environ.get("SIGTERM_AT") == "eval" and task_id % 5 == 4 and not SigtermEnv.sent:
+            self._terminate()
+        return super().reset(task_id)
+
+    def step(self, action: str) -> StepResult:
+        when = os.environ.get("SIGTERM_AT")
+        if when in ("step", "step_twice") and not SigtermEnv.sent:
+            self._terminate(2 if when == "step_twice" else 1)
+        return super().step(action)
+
+
+class HangOnceEnv(TinyEnv):
+    """The tiny env, but the first step in this process hangs for an hour, after touching $HANG_MARKER."""
+
+    hung = False
+
+    def step(self, action: str) -> StepResult:
+        if not HangOnceEnv.hung:
+            HangOnceEnv.hung = True
+            Path(os.environ["HANG_MARKER"]).touch()
+            time.sleep(3600)
+        return super().step(action)

@@ -37,6 +37,8 @@ def main():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--slow-save-at", type=int, default=0)
     parser.add_argument("--pause-after-step", type=float, default=0.0, help="seconds, to give a test time to signal")
+    parser.add_argument("--env", default="tiny", help="env_name (a dotted path to one of faulty_envs)")
+    parser.add_argument("--env-step-timeout", type=float, default=60.0)
     cli = parser.parse_args()
     out = Path(cli.out)
 
@@ -53,8 +55,10 @@ def main():
 
     model = AutoModelForCausalLM.from_pretrained(cli.model)
     tokenizer = load_tokenizer(cli.model)
+    env = {} if cli.env == "tiny" else {"env_name": cli.env, "env_kwargs": {}}
     args = tiny_args(out, preset="bipace_q", max_steps=cli.steps, save_strategy="steps", save_steps=1,
-                     evaluate_before_training=False, eval_tasks=2, learning_rate=2e-3)
+                     evaluate_before_training=False, eval_tasks=2, learning_rate=2e-3,
+                     env_step_timeout=cli.env_step_timeout, **env)
     trainer = BiPACETrainer(model, args=args, processing_class=tokenizer)
     if cli.pause_after_step:
         from transformers import TrainerCallback

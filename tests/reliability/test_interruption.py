@@ -103,3 +103,78 @@ def test_a_kill_during_a_save_never_leaves_a_broken_checkpoint(uninterrupted, wa
     finish(start(warm_policy_dir, tmp_path, "--resume"))
     assert not (tmp_path / ".staging").exists()  # cleared by the next save
     assert_same_run(tmp_path, uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigterm_while_an_env_hangs_on_the_default_backend_stops_after_the_step_timeout(warm_policy_dir, tmp_path):
+    marker = tmp_path / "hanging"
+    env = dict(ENV, HANG_MARKER=str(marker))
+    cmd = [sys.executable, str(SCRIPT), "--model", str(warm_policy_dir), "--out", str(tmp_path),
+           "--env", "tests.reliability.faulty_envs:HangOnceEnv", "--env-step-timeout", "5"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(marker, proc)
+    proc.send_signal(signal.SIGTERM)  # the env hangs for an hour; the serial backend gives up after 5 s
+    finish(proc, timeout=90)
+    stopped = result(tmp_path)
+    assert stopped["interrupted"] and stopped["global_step"] == 1
+    assert Path(get_last_checkpoint(str(tmp_path))).name == "checkpoint-1"
+
+
+def run_main(model_dir, out, monkeypatch, sigterm_at, **overrides):
+    """train.py's main() on the tiny setup with SigtermEnv; pushes go to a recording stand-in."""
+    import transformers.trainer
+    from trl import ModelConfig
+
+    import train
+    from tests.reliability.faulty_envs import SigtermEnv
+    from tests.trainer.test_checkpoints import RecordingHubApi
+    from tests.trainer.tiny_setup import tiny_args
+
+    hub = RecordingHubApi()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    monkeypatch.setenv("SIGTERM_AT", sigterm_at)
+    monkeypatch.setattr(SigtermEnv, "sent", False)
+    args = tiny_args(out, env_name="tests.reliability.faulty_envs:SigtermEnv", env_kwargs={}, preset="grpo",
+                     max_steps=2, save_strategy="steps", save_steps=1, evaluate_before_training=False, eval_tasks=2,
+                     push_to_hub=True, hub_model_id="tiny-agent", hub_strategy="end", **overrides)
+    summary = train.main(train.ScriptArguments(), args, ModelConfig(model_name_or_path=str(model_dir)))
+    return summary, hub
+
+
+def assert_nothing_final(out, hub):
+    assert not hub.uploads  # nothing pushed
+    assert not list(Path(out).glob("*.safetensors"))  # no final model saved in output_dir
+    assert not any(e.get("tag") == "final" for e in json.loads((Path(out) / "eval_results.json").read_text())) \
+        if (Path(out) / "eval_results.json").exists() else True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigterm_at,steps,checkpoint", [
+    ("step", 1, "checkpoint-1"),  # the step finishes, is saved, and the run stops
+    ("step_twice", 0, None),  # a second SIGTERM does not wait for the step
+    ("eval", 2, "checkpoint-2"),  # the final evaluation is cut short: training was saved already
+])
+def test_a_stopped_run_says_so_saves_no_final_model_and_pushes_nothing(
+    sigterm_at, steps, checkpoint, warm_policy_dir, tmp_path, monkeypatch, capsys
+):
+    summary, hub = run_main(warm_policy_dir, tmp_path, monkeypatch, sigterm_at)
+    assert summary["stopped"] and summary["steps"] == steps
+    assert "stopped by SIGTERM" in capsys.readouterr().out
+    assert_nothing_final(tmp_path, hub)
+    last = get_last_checkpoint(str(tmp_path))
+    assert (Path(last).name if last else None) == checkpoint
+    assert summary["success_after"] is None  # no final evaluation result
+
+
+@pytest.mark.slow
+def test_train_py_exits_143_after_sigterm(warm_policy_dir, tmp_path):
+    cmd = [sys.executable, "train.py", "--model_name_or_path", str(warm_policy_dir), "--output_dir", str(tmp_path),
+           "--env", "tests.reliability.faulty_envs:SigtermEnv", "--env_kwargs", "{}", "--use_peft", "false",
+           "--max_steps", "2", "--tasks_per_iteration", "2", "--num_generations", "2", "--per_device_train_batch_size", "2",
+           "--max_completion_length", "16", "--history_length", "1", "--max_turns", "3", "--use_cpu", "true",
+           "--evaluate_before_training", "false", "--eval_tasks", "1", "--save_strategy", "steps", "--save_steps", "1",
+           "--preset", "grpo"]
+    proc = subprocess.run(cmd, env=dict(ENV, SIGTERM_AT="step"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped by SIGTERM at step 1" in proc.stdout
+    assert Path(get_last_checkpoint(str(tmp_path))).name == "checkpoint-1"
