@@ -229,6 +229,7 @@ class GeneratedTextEnv:
     # -- the calls envs.webshop makes, as on WebAgentTextEnv ------------------------------
 
     def reset(self, session: int) -> tuple[str, None]:
+        self.close()  # one live session per env: a long run must not keep every goal it played
         self.session = f"{self.session_prefix}{session}"
         state = self.server.new_session(self.session, int(session))
         self.instruction_text = state["goal"]["instruction_text"]

@@ -110,6 +110,23 @@ def test_unknown_split_is_rejected(cache_dir):
         WebShopEnv.tasks("dev", cache_dir=cache_dir)
 
 
+def test_an_env_keeps_one_session_on_the_shared_server(cache_dir):
+    first, second = WebShopEnv(cache_dir=cache_dir), WebShopEnv(cache_dir=cache_dir)
+    for task_id in range(20):
+        first.reset(task_id)
+        second.reset(task_id)  # same goal, own session
+    server = first._engine.server
+    prefixes = (first._engine.session_prefix, second._engine.session_prefix)
+
+    def live():
+        return sorted(session for session in server.user_sessions if session.startswith(prefixes))
+
+    assert server is second._engine.server and live() == sorted(f"{prefix}19" for prefix in prefixes)
+    first.close()
+    assert live() == [f"{prefixes[1]}19"]
+    second.close()
+
+
 def test_task_id_out_of_range_names_the_range(env, catalog):
     with pytest.raises(ValueError, match=f"task_id={len(catalog['goals'])} is out of range"):
         env.reset(len(catalog["goals"]))
