@@ -132,6 +132,7 @@ class Episode:
     truncated: bool = False  # the turn budget ended it
     invalid_steps: int = 0
     failure: str = ""
+    score: float | None = None  # the env's own episode score (`info["score"]`, e.g. WebShop's), if it reports one
     task: str = ""  # the task text the env gave at reset
 
 
@@ -173,6 +174,8 @@ class Rollout:
             "episode/invalid_action_rate": sum(e.invalid_steps for e in episodes) / steps,
             "episode/steps": float(len(self.steps)),
         }
+        if any(e.score is not None for e in episodes):  # an episode that never scored (no purchase) scores 0
+            out["episode/score"] = sum(e.score or 0.0 for e in episodes) / n
         out.update({f"time/{name}_s": value for name, value in self.seconds.items()})
         return out
 
@@ -296,6 +299,8 @@ def run_rollouts(
                 episode.failure = (result.info or {}).get("env_failure", "") if result else "no result"
                 continue
             episode.won = episode.won or result.won
+            if "score" in (result.info or {}):
+                episode.score = float(result.info["score"])
             history[i].append((current[i].observation, actions[i]))
             current[i] = result
             done[i] = result.done

@@ -700,6 +700,7 @@ class BiPACETrainer(GRPOTrainer):
             self.model.train(was_training)
         records = [
             {"task_id": e.task_id, "won": e.won, "length": e.length, "failed": e.failed, **e.attributes}
+            | ({"score": e.score or 0.0} if getattr(self.env_class, "reports_score", False) else {})
             for e in rollout.episodes[: len(shard)]
         ]
         self._record_trajectories(rollout, tag=tag)
@@ -799,6 +800,8 @@ def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) 
         "env_failures": sum(r["failed"] for r in records),
         "num_tasks": len(records),
     }
+    if records and "score" in records[0]:  # envs with a graded outcome (WebShop) report its mean too
+        result["score"] = sum(r["score"] for r in records) / n
     if report_key:
         by_type: dict[str, list[bool]] = {}
         for r in records:

@@ -238,6 +238,7 @@ class WebShopEnv(TextEnv):
     )
     invalid_action = "wait"
     report_key = "category"
+    reports_score = True  # info["score"] at the purchase: evaluation reports the mean score (0 without one)
 
     def __init__(
         self,

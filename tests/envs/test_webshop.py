@@ -516,5 +516,19 @@ def test_trainer_runs_a_gigpo_step_on_the_generated_shop(tmp_path, cache_dir):
     assert all(0 <= e.reward <= 1 and e.length <= 3 for e in rollout.episodes)
     assert advantages.shape[0] == len(rollout.steps)
     logged = {k for entry in trainer.state.log_history for k in entry}
-    assert {"episode/success_rate", "episode/reward", "eval/success_rate"} <= logged
+    assert {"episode/success_rate", "episode/reward", "eval/success_rate", "eval/score"} <= logged
     assert any(key.startswith("eval/success_rate/category=") for key in logged)  # reported per category
+    bought = [e for e in rollout.episodes if e.score is not None]
+    assert all(e.won == (e.score == 1.0) for e in bought)
+
+
+def test_the_score_is_averaged_over_every_episode_with_no_purchase_at_zero():
+    from bipace_trainer.rollout import Episode, Rollout
+    from bipace_trainer.trainer import summarise_evaluation
+
+    episodes = [Episode(0, 0, 0, {}, score=1.0, won=True), Episode(1, 0, 0, {}, score=0.5), Episode(2, 0, 0, {})]
+    assert Rollout([], episodes, {}).metrics()["episode/score"] == pytest.approx(0.5)
+    assert "episode/score" not in Rollout([], episodes[2:], {}).metrics()  # an env that never scores
+    records = [{"won": e.won, "length": 1, "failed": False, "score": e.score or 0.0} for e in episodes]
+    assert summarise_evaluation(records, None)["score"] == pytest.approx(0.5)
+    assert "score" not in summarise_evaluation([{"won": True, "length": 1, "failed": False}], None)
