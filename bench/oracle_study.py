@@ -1,0 +1,632 @@
+"""Estimator accuracy against an oracle, and grouping quality against the true state (no GPU, no training).
+
+    OMP_NUM_THREADS=1 python bench/oracle_study.py                 # full CPU size (~40 min on a loaded 2-core machine)
+    OMP_NUM_THREADS=1 python bench/oracle_study.py --size ci       # CI size (~30 s, tiny random model)
+    python bench/oracle_study.py --report docs/results/oracle/oracle_study.json   # tables from a finished run
+
+1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
+   TextCraft and ALFWorld (generated games), played by the trainer's `run_rollouts` with a
+   scripted behaviour policy: the env's expert action with probability p, else a random
+   admissible (ALFWorld) or plausible (TextCraft) command; several p. Per step: the prompt
+   the trainer builds, the true state (TextCraft goal + inventory, ALFWorld's PDDL facts),
+   the action, reward, done.
+2. Oracle values V*, Q*, A* = Q* - V* under the training discount (0.95) and turn budget
+   (TextCraft 30, ALFWorld 50, as in recipes/), from the envs' solvers.
+3. Estimator accuracy, on the same rollouts: every preset of `bipace_trainer.advantages`
+   (hidden presets only on the batches that have hidden states), and the two axes apart:
+   partition {hash, hidden, true state} x baseline {mean, pace_q, pace_diff, gae} with
+   w_ep = 0. Spearman and Pearson correlation of the step advantage with A*; sign agreement
+   on pairs of steps from the same true state whose A* differ; RMSE of the value proxy
+   V̂ = mean_C R (the cell mean of step returns every baseline compares with) against V*.
+   Mean and std over rollout seeds.
+4. Grouping quality of the `hash` partition and of the `hidden` partition of the embedded
+   SmolLM2-135M (layers -24, -18, -12, -8 of 30; the calibrated ε of `calibrate_eps` with
+   the trainer's defaults, and an ε sweep), with a random-init model of the same shape as a
+   control: singleton rate, purity (same-cell pairs that share the true state) and split
+   rate (same-state pairs in different cells), within task groups.
+
+Cost is dominated by the hidden states (one forward pass per distinct prompt, ~3-5 s for a
+~500-token prompt on one busy core; passes stop at the deepest layer used) and ALFWorld's
+engine and planner. Hidden states are computed only for the (seed, p) batches a size lists
+in `hidden` (pretrained) and `control` (random init): scale with --seeds, --tasks and those
+lists. Hidden states are cached by prompt under --work-dir, so a rerun only computes new ones.
+
+Writes <out>/oracle_study.json (rewritten after every batch), <out>/oracle_accuracy.png and
+<out>/oracle_grouping.png, and prints the markdown tables of docs/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+import torch
+from oracle_metrics import cell_means, correlations, grouping_quality, pair_sign_agreement, value_error
+from oracle_truth import TRUTH, TruthBatch, truth_rollouts
+
+from bipace_trainer.advantages import (
+    PRESETS,
+    BatchLayout,
+    StepBatch,
+    calibrate_eps,
+    estimate_advantages,
+    factorize,
+    hidden_partition,
+    resolve_settings,
+)
+from bipace_trainer.hidden import PositionCapture, num_hidden_layers, resolve_layer_module
+from bipace_trainer.prompting import fit_prompt_ids
+from envs.base import resolve_env_class, stratified_subset
+
+GAMMA = 0.95  # SPEC §2 and every recipe's step_gamma
+PAPER_SINGLETONS = {"hash": 0.273, "hidden": 0.180}  # BiPACE paper, ALFWorld, Qwen2.5-7B
+BASELINES = ("mean", "pace_q", "pace_diff", "gae")
+PARTITIONS = ("hash", "hidden", "true")
+EPS_SWEEP = (0.0, 0.001, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
+
+
+@dataclass(frozen=True)
+class EnvSize:
+    tasks: int
+    max_turns: int
+    group_size: int = 8
+    expert_probs: tuple[float, ...] = (0.5, 0.7, 0.9)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    hidden: tuple[tuple[int, float], ...] = ()  # (seed, p) batches that get pretrained hidden states
+    control: tuple[tuple[int, float], ...] = ()  # ... and random-init ones
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Size:
+    envs: dict[str, EnvSize]
+    model: str = "embedded"  # "tiny": a 64 x 2 random Qwen2 with SmolLM2's tokenizer (CI)
+    layers: tuple[int, ...] = (-24, -18, -12, -8)
+    accuracy_layer: int = -12  # cluster_layer of the hidden presets (the recipes' value)
+    batch_size: int = 4
+
+
+SIZES = {
+    "full": Size(
+        envs={
+            "textcraft": EnvSize(tasks=2, max_turns=30, hidden=((0, 0.7),), control=((0, 0.7),)),
+            "alfworld": EnvSize(
+                tasks=2,
+                max_turns=50,
+                seeds=(0, 1),
+                hidden=((0, 0.7),),
+                control=((0, 0.7),),
+                env_kwargs={"source": "generated"},
+            ),
+        }
+    ),
+    "ci": Size(
+        envs={
+            "textcraft": EnvSize(
+                tasks=2,
+                max_turns=30,
+                group_size=4,
+                expert_probs=(0.5, 0.9),
+                seeds=(0, 1),
+                hidden=((0, 0.5),),
+                control=((0, 0.5),),
+            ),
+            "alfworld": EnvSize(
+                tasks=1,
+                max_turns=50,
+                group_size=2,
+                expert_probs=(0.5,),
+                seeds=(0,),
+                hidden=((0, 0.5),),
+                env_kwargs={"source": "generated"},
+            ),
+        },
+        model="tiny",
+        layers=(1, -1),
+        accuracy_layer=-1,
+    ),
+}
+
+
+# ---------------------------------------------------------------------- hidden states
+
+
+class _Stop(Exception):
+    """Raised by a hook once the deepest layer needed has run: the rest of the pass is skipped."""
+
+
+class HiddenStates:
+    """Hidden states at the last prompt token of the trainer's prompts, at several layers,
+    through the project's `PositionCapture` (one forward pass per distinct prompt, cached)."""
+
+    def __init__(self, model, tokenizer, layers: tuple[int, ...], cache_path: Path | None, batch_size: int):
+        self.model, self.tokenizer, self.layers, self.batch_size = model.eval(), tokenizer, layers, batch_size
+        self.cache_path = cache_path
+        self.cache: dict[str, torch.Tensor] = torch.load(cache_path) if cache_path and cache_path.exists() else {}
+        count = num_hidden_layers(model)
+        self.deepest = max(layer % (count + 1) for layer in layers)
+        self.stop_early = self.deepest < count  # past the last decoder layer only the final norm is left
+        context = getattr(model.config, "max_position_embeddings", 8192)
+        self.limit = max(context - 512, 16)  # as the trainer bounds prompts (its max_completion_length: 512)
+        self.seconds = 0.0
+        self.computed = 0
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return fit_prompt_ids(self.tokenizer(text, add_special_tokens=False).input_ids, self.limit)
+
+    def __call__(self, prompts: list[list[dict[str, str]]]) -> dict[int, torch.Tensor]:
+        ids = [self.prompt_ids(messages) for messages in prompts]
+        keys = [hashlib.sha1(str(row).encode()).hexdigest() for row in ids]
+        todo = sorted({key: row for key, row in zip(keys, ids) if key not in self.cache}.items(), key=lambda kv: len(kv[1]))
+        start = time.perf_counter()
+        for b in range(0, len(todo), self.batch_size):
+            chunk = todo[b : b + self.batch_size]
+            states = self._forward([row for _, row in chunk])
+            for j, (key, _) in enumerate(chunk):
+                self.cache[key] = torch.stack([states[layer][j] for layer in self.layers])
+            if self.cache_path and (b // self.batch_size) % 8 == 7:  # a killed run keeps what it computed
+                torch.save(self.cache, self.cache_path)
+                print(f"  hidden states: {b + len(chunk)}/{len(todo)} prompts, {time.perf_counter() - start:.0f} s", flush=True)
+        self.seconds += time.perf_counter() - start
+        self.computed += len(todo)
+        if todo and self.cache_path:
+            torch.save(self.cache, self.cache_path)
+        stacked = torch.stack([self.cache[key] for key in keys])  # (N, layers, d)
+        return {layer: stacked[:, i] for i, layer in enumerate(self.layers)}
+
+    @torch.no_grad()
+    def _forward(self, rows: list[list[int]]) -> dict[int, torch.Tensor]:
+        width = max(map(len, rows))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() does for left padding
+
+        def stop(module, args, output):
+            raise _Stop
+
+        with contextlib.ExitStack() as stack:
+            captures = {layer: stack.enter_context(PositionCapture(self.model, layer, position=-1)) for layer in self.layers}
+            handle = resolve_layer_module(self.model, self.deepest).register_forward_hook(stop) if self.stop_early else None
+            try:
+                self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            except _Stop:
+                pass
+            finally:
+                if handle is not None:
+                    handle.remove()
+        return {layer: capture.states for layer, capture in captures.items()}
+
+
+def load_models(size: Size):
+    """(pretrained, random-init control of the same shape, tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bipace_trainer.models import load_tokenizer, resolve_model_name, tiny_qwen2
+
+    path = resolve_model_name("embedded")
+    tokenizer = load_tokenizer(path)
+    if size.model == "tiny":
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tiny_qwen2(tokenizer, seed=0), tiny_qwen2(tokenizer, seed=1), tokenizer
+    pretrained = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(0)
+    control = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    return pretrained, control, tokenizer
+
+
+# ---------------------------------------------------------------------- one batch
+
+
+def step_batch(batch: TruthBatch, anchor=None, hidden=None) -> StepBatch:
+    steps = batch.rollout.steps
+    return StepBatch(
+        group=[s.group for s in steps],
+        traj=[s.traj for s in steps],
+        t=[s.t for s in steps],
+        reward=[s.reward for s in steps],
+        valid=[s.valid for s in steps],
+        anchor=anchor if anchor is not None else [s.anchor for s in steps],
+        action_key=[s.action_key for s in steps],
+        hidden=hidden,
+    )
+
+
+def oracle_checks(batch: TruthBatch) -> dict[str, Any]:
+    """What the oracle says about the behaviour policy's steps (and checks on the oracle itself)."""
+    truth = batch.truth
+    expert = [t for t in truth if t.took_expert]
+    other = [t for t in truth if not t.took_expert]
+    distance_by_state: dict[tuple[int, str], set] = {}
+    for step, t in zip(batch.rollout.steps, truth):
+        distance_by_state.setdefault((step.group, t.state), set()).add(t.distance)
+    return {
+        "steps": len(truth),
+        "expert_steps": len(expert),
+        "expert_a_star_zero": sum(abs(t.a_star) < 1e-9 for t in expert) / max(len(expert), 1),
+        "random_steps": len(other),
+        "random_a_star_negative": sum(t.a_star < -1e-9 for t in other) / max(len(other), 1),
+        "a_star_positive": sum(t.a_star > 1e-9 for t in truth),
+        "states_with_two_distances": sum(len(d) > 1 for d in distance_by_state.values()),
+        "a_star_mean": statistics.fmean(t.a_star for t in truth) if truth else math.nan,
+        "v_star_mean": statistics.fmean(t.v_star for t in truth) if truth else math.nan,
+    }
+
+
+def estimator_metrics(estimate, a_star, state_ids, group) -> dict[str, float]:
+    adv = estimate.advantage.double().numpy()
+    metrics = correlations(adv, a_star)
+    metrics.update(pair_sign_agreement(adv, a_star, state_ids, group))
+    metrics["zero_rate"] = float(np.mean(np.abs(adv) < 1e-9))
+    return metrics
+
+
+def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]], size: Size) -> dict[str, Any]:
+    """Estimator accuracy (every preset, every axis pair) and grouping quality on one batch."""
+    steps = batch.rollout.steps
+    a_star = np.array([t.a_star for t in batch.truth])
+    v_star = np.array([t.v_star for t in batch.truth])
+    state_ids = factorize([(s.group, t.state) for s, t in zip(steps, batch.truth)]).numpy()
+    group = np.array([s.group for s in steps])
+    pretrained = hidden.get("pretrained")
+    plain = step_batch(batch, hidden=pretrained[size.accuracy_layer] if pretrained else None)
+    true_anchor = step_batch(batch, anchor=[t.state for t in batch.truth])
+    layout = BatchLayout.from_batch(plain)
+    out: dict[str, Any] = {"estimators": {}, "axes": {}, "value_proxy": {}, "grouping": {}}
+
+    for preset in PRESETS:
+        settings = resolve_settings(preset)
+        if settings.partition == "hidden" and pretrained is None:
+            continue
+        out["estimators"][preset] = estimator_metrics(estimate_advantages(plain, settings), a_star, state_ids, group)
+
+    for partition in PARTITIONS:
+        if partition == "hidden" and pretrained is None:
+            continue
+        source = true_anchor if partition == "true" else plain
+        for baseline in BASELINES:
+            settings = resolve_settings(
+                "gigpo", partition="hidden" if partition == "hidden" else "hash", baseline=baseline, w_ep=0.0
+            )
+            estimate = estimate_advantages(source, settings)
+            out["axes"][f"{partition}/{baseline}"] = estimator_metrics(estimate, a_star, state_ids, group)
+            if baseline == "mean":  # the value proxy is the same cell mean for every baseline
+                proxy = cell_means(estimate.step_return.numpy(), estimate.cell.numpy())
+                shared = np.bincount(estimate.cell.numpy())[estimate.cell.numpy()] > 1
+                out["value_proxy"][partition] = {
+                    "all": value_error(proxy, v_star),
+                    "shared": value_error(proxy, v_star, shared),
+                    "singleton_rate": float(1 - shared.mean()),
+                }
+                out["grouping"][partition] = grouping_quality(estimate.cell.numpy(), state_ids, group)
+    out["grouping"]["true"]["singleton_rate_of_truth"] = out["grouping"]["true"]["singleton_rate"]
+
+    for model, states in hidden.items():
+        for layer in size.layers:
+            h = states[layer]
+            eps = calibrate_eps(h, layout, 0.2, 0.3)  # the trainer's defaults for cluster_eps="auto"
+            entry = {"calibrated_eps": eps, "calibrated": _quality(h, layout, eps, state_ids, group)}
+            entry["sweep"] = {str(e): _quality(h, layout, e, state_ids, group) for e in EPS_SWEEP}
+            out["grouping"][f"hidden/{model}/{layer}"] = entry
+    return out
+
+
+def _quality(h, layout, eps, state_ids, group) -> dict[str, float]:
+    return grouping_quality(hidden_partition(h, layout, eps).cell.numpy(), state_ids, group)
+
+
+# ---------------------------------------------------------------------- the study
+
+
+def task_ids(env: str, count: int, env_kwargs: dict[str, Any]) -> list[int]:
+    """The first `count` training tasks, spread over task types (ALFWorld) or depths (TextCraft)."""
+    env_class = resolve_env_class(env)
+    specs = env_class.tasks("train", **env_kwargs)
+    return [spec.task_id for spec in stratified_subset(specs, count, env_class.report_key, label=f"{env} tasks")]
+
+
+def run(size: Size, out: Path, work_dir: Path, only: list[str] | None) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    needs_models = any(s.hidden or s.control for s in size.envs.values())
+    models = load_models(size) if needs_models else None
+    capture = {}
+    if models:
+        pretrained, control, tokenizer = models
+        tag = "_".join([size.model, *(only or [])])
+        capture = {
+            "pretrained": HiddenStates(
+                pretrained, tokenizer, size.layers, work_dir / f"hidden_{tag}_pretrained.pt", size.batch_size
+            ),
+            "random_init": HiddenStates(control, tokenizer, size.layers, work_dir / f"hidden_{tag}_random.pt", size.batch_size),
+        }
+    result = {"size": _jsonable(asdict(size)), "machine": common.machine(), "gamma": GAMMA, "batches": []}
+    path = out / (f"oracle_study_{'_'.join(only)}.json" if only else "oracle_study.json")
+    start_all = time.perf_counter()
+    for env, plan in size.envs.items():
+        if only and env not in only:
+            continue
+        ids = task_ids(env, plan.tasks, plan.env_kwargs)
+        truth = TRUTH[env]()  # ALFWorld's plans are memoised across batches
+        for seed in plan.seeds:
+            for p in plan.expert_probs:
+                start = time.perf_counter()
+                batch = truth_rollouts(
+                    env,
+                    ids,
+                    group_size=plan.group_size,
+                    expert_prob=p,
+                    max_turns=plan.max_turns,
+                    seed=seed,
+                    gamma=GAMMA,
+                    env_kwargs=plan.env_kwargs,
+                    truth=truth,
+                )
+                rollout_seconds = time.perf_counter() - start
+                hidden, hidden_seconds = {}, {}
+                prompts = [t.messages for t in batch.truth]
+                for model, wanted in (("pretrained", plan.hidden), ("random_init", plan.control)):
+                    if (seed, p) in wanted:
+                        before, computed = capture[model].seconds, capture[model].computed
+                        hidden[model] = capture[model](prompts)
+                        hidden_seconds[model] = {
+                            "seconds": capture[model].seconds - before,
+                            "prompts_computed": capture[model].computed - computed,
+                        }
+                start = time.perf_counter()
+                metrics = evaluate_batch(batch, hidden, size)
+                episodes = batch.rollout.episodes
+                entry = {
+                    "env": env,
+                    "seed": seed,
+                    "expert_prob": p,
+                    "tasks": ids,
+                    "success_rate": sum(e.won for e in episodes) / len(episodes),
+                    "episode_length": statistics.fmean(e.length for e in episodes),
+                    "distinct_prompts": len({str(t.messages) for t in batch.truth}),
+                    "oracle": oracle_checks(batch),
+                    **metrics,
+                    "seconds": {
+                        "rollout": rollout_seconds,
+                        **batch.seconds,
+                        "hidden": hidden_seconds,
+                        "analysis": time.perf_counter() - start,
+                    },
+                }
+                result["batches"].append(entry)
+                result["seconds_total"] = time.perf_counter() - start_all
+                common.write_json(path, result)
+                print(
+                    f"{env} seed {seed} p {p}: {entry['oracle']['steps']} steps, success {entry['success_rate']:.2f}, "
+                    f"rollout {rollout_seconds:.0f} s, hidden "
+                    + ", ".join(f"{m} {v['prompts_computed']} prompts {v['seconds']:.0f} s" for m, v in hidden_seconds.items()),
+                    flush=True,
+                )
+    result["summary"] = summarise(result["batches"])
+    common.write_json(path, result)
+    return result
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------- summary, tables, plots
+
+
+def _stat(values: list[float]) -> dict[str, float]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return common.mean_std(values) if values else {"mean": math.nan, "std": math.nan, "n": 0}
+
+
+def summarise(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and std over seeds, per env, p and estimator (presets and axes)."""
+    summary: dict[str, Any] = {}
+    keys = sorted({(b["env"], b["expert_prob"]) for b in batches})
+    for env, p in keys:
+        group = [b for b in batches if b["env"] == env and b["expert_prob"] == p]
+        entry: dict[str, Any] = {"seeds": len(group), "steps": _stat([b["oracle"]["steps"] for b in group])}
+        entry["success_rate"] = _stat([b["success_rate"] for b in group])
+        for kind in ("estimators", "axes"):
+            names = sorted({name for b in group for name in b[kind]})
+            entry[kind] = {
+                name: {
+                    metric: _stat([b[kind][name][metric] for b in group if name in b[kind]])
+                    for metric in ("spearman", "pearson", "sign_agreement", "tie_rate", "zero_rate")
+                }
+                for name in names
+            }
+        entry["value_proxy"] = {
+            partition: {
+                "rmse_all": _stat([b["value_proxy"][partition]["all"]["rmse"] for b in group if partition in b["value_proxy"]]),
+                "rmse_shared": _stat(
+                    [b["value_proxy"][partition]["shared"]["rmse"] for b in group if partition in b["value_proxy"]]
+                ),
+            }
+            for partition in PARTITIONS
+        }
+        summary[f"{env}/p={p}"] = entry
+    return summary
+
+
+def _fmt(stat: dict[str, float], digits: int = 2) -> str:
+    if stat["n"] == 0 or math.isnan(stat["mean"]):
+        return "–"
+    if stat["n"] == 1:
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The markdown tables of docs/RESULTS.md."""
+    lines = []
+    summary = result.get("summary") or summarise(result["batches"])
+    for env in dict.fromkeys(b["env"] for b in result["batches"]):
+        cells = {k: v for k, v in summary.items() if k.startswith(env + "/")}
+        probs = [k.split("=")[1] for k in cells]
+        lines.append(
+            f"\n**{env}: step advantage vs A\\*** (Spearman / sign agreement on same-state pairs; mean ± std over seeds)\n"
+        )
+        lines.append("| estimator | " + " | ".join(f"p = {p}: Spearman | sign agr." for p in probs) + " |")
+        lines.append("|---|" + "---|---|" * len(probs))
+        for kind in ("estimators", "axes"):
+            names = list(dict.fromkeys(n for c in cells.values() for n in c[kind]))
+            for name in names:
+                row = []
+                for c in cells.values():
+                    m = c[kind].get(name)
+                    row += [_fmt(m["spearman"]), _fmt(m["sign_agreement"])] if m else ["–", "–"]
+                label = name if kind == "estimators" else f"{name} (w_ep=0)"
+                lines.append(f"| {label} | " + " | ".join(row) + " |")
+        lines.append(f"\n**{env}: value proxy mean_C R vs V\\*** (RMSE over all steps / over steps in shared cells)\n")
+        lines.append("| partition | " + " | ".join(f"p = {p}" for p in probs) + " |")
+        lines.append("|---|" + "---|" * len(probs))
+        for partition in PARTITIONS:
+            row = [
+                f"{_fmt(c['value_proxy'][partition]['rmse_all'], 3)} / {_fmt(c['value_proxy'][partition]['rmse_shared'], 3)}"
+                for c in cells.values()
+            ]
+            lines.append(f"| {partition} | " + " | ".join(row) + " |")
+        lines.append(f"\n**{env}: the batches** (oracle checks per batch)\n")
+        lines.append(
+            "| seed | p | steps | success | expert steps with A\\*=0 | random steps with A\\*<0 | A\\*>0 "
+            "| states with two d | rollout s | hidden s (prompts) |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for b in (b for b in result["batches"] if b["env"] == env):
+            o = b["oracle"]
+            hid = ", ".join(f"{m} {v['seconds']:.0f} ({v['prompts_computed']})" for m, v in b["seconds"]["hidden"].items()) or "–"
+            lines.append(
+                f"| {b['seed']} | {b['expert_prob']} | {o['steps']} | {b['success_rate']:.2f} | {o['expert_a_star_zero']:.3f} "
+                f"| {o['random_a_star_negative']:.3f} | {o['a_star_positive']} | {o['states_with_two_distances']} "
+                f"| {b['seconds']['rollout']:.0f} | {hid} |"
+            )
+        lines.append(f"\n**{env}: grouping quality against the true state** (batches with hidden states)\n")
+        lines.append("| batch | partition | ε | singleton rate | purity | split rate |")
+        lines.append("|---|---|---|---|---|---|")
+        for b in (b for b in result["batches"] if b["env"] == env and any(k.startswith("hidden/") for k in b["grouping"])):
+            name = f"seed {b['seed']}, p {b['expert_prob']}"
+            for partition in ("true", "hash"):
+                g = b["grouping"][partition]
+                lines.append(
+                    f"| {name} | {partition} | – | {g['singleton_rate']:.3f} | {g['purity']:.3f} | {g['split_rate']:.3f} |"
+                )
+            for key, g in b["grouping"].items():
+                if key.startswith("hidden/"):
+                    q = g["calibrated"]
+                    lines.append(
+                        f"| {name} | {key} | {g['calibrated_eps']:.4f} | {q['singleton_rate']:.3f} "
+                        f"| {q['purity']:.3f} | {q['split_rate']:.3f} |"
+                    )
+    paper = PAPER_SINGLETONS
+    lines.append(
+        f"\nPaper (BiPACE, ALFWorld, Qwen2.5-7B): singleton rate hash {paper['hash']:.3f}, hidden {paper['hidden']:.3f}."
+    )
+    return "\n".join(lines)
+
+
+def plots(result: dict[str, Any], out: Path, suffix: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result.get("summary") or summarise(result["batches"])
+    envs = list(dict.fromkeys(b["env"] for b in result["batches"]))
+    fig, axes = plt.subplots(len(envs), 1, figsize=(13, 4.2 * len(envs)), squeeze=False)
+    for ax, env in zip(axes[:, 0], envs):
+        cells = {k.split("=")[1]: v for k, v in summary.items() if k.startswith(env + "/")}
+        names = list(dict.fromkeys(n for c in cells.values() for n in c["estimators"]))
+        names += [f"axis:{n}" for n in dict.fromkeys(n for c in cells.values() for n in c["axes"])]
+        width = 0.8 / max(len(cells), 1)
+        for j, (p, c) in enumerate(cells.items()):
+            means, stds = [], []
+            for name in names:
+                kind, key = ("axes", name[5:]) if name.startswith("axis:") else ("estimators", name)
+                m = c[kind].get(key, {}).get("spearman", {"mean": math.nan, "std": 0.0})
+                means.append(m["mean"])
+                stds.append(m["std"] if not math.isnan(m.get("std", 0.0)) else 0.0)
+            ax.bar(np.arange(len(names)) + j * width, means, width, yerr=stds, label=f"p = {p}", capsize=2)
+        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2)
+        ax.set_xticklabels([n.replace("axis:", "") for n in names], rotation=60, ha="right", fontsize=8)
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_ylabel("Spearman(advantage, A*)")
+        ax.set_title(f"{env}: step advantage vs oracle A* (presets, then partition/baseline with w_ep = 0)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"oracle_accuracy{suffix}.png", dpi=110)
+    plt.close(fig)
+
+    batches = [b for b in result["batches"] if any(k.startswith("hidden/") for k in b["grouping"])]
+    if not batches:
+        return
+    fig, axes = plt.subplots(len(batches), 3, figsize=(15, 3.6 * len(batches)), squeeze=False)
+    for row, b in zip(axes, batches):
+        for ax, metric in zip(row, ("singleton_rate", "purity", "split_rate")):
+            for key, g in b["grouping"].items():
+                if not key.startswith("hidden/"):
+                    continue
+                _, model, layer = key.split("/")
+                eps = [float(e) for e in g["sweep"]]
+                values = [g["sweep"][e][metric] for e in g["sweep"]]
+                ax.plot(eps, values, marker="o", ms=3, ls="-" if model == "pretrained" else "--", label=f"{model} {layer}")
+            ax.axhline(b["grouping"]["hash"][metric], color="black", lw=1.5, label="hash")
+            if metric == "singleton_rate":
+                ax.axhline(b["grouping"]["true"][metric], color="green", lw=1.5, ls=":", label="true state")
+                ax.axhline(PAPER_SINGLETONS["hash"], color="grey", lw=0.8, ls="-.", label="paper hash / hidden")
+                ax.axhline(PAPER_SINGLETONS["hidden"], color="grey", lw=0.8, ls="-.")
+            ax.set_xscale("symlog", linthresh=1e-3)
+            ax.set_xlabel("ε (cosine distance)")
+            ax.set_title(f"{b['env']} seed {b['seed']} p {b['expert_prob']}: {metric}")
+        row[0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / f"oracle_grouping{suffix}.png", dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--env", nargs="*", help="only these envs (default: all of the size)")
+    parser.add_argument("--out", type=Path, default=common.ROOT / "docs" / "results" / "oracle")
+    parser.add_argument("--work-dir", type=Path, default=common.ROOT / "outputs" / "oracle")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", help="print the tables and draw the plots of finished runs' JSON (merged)"
+    )
+    args = parser.parse_args()
+    if args.report:
+        import json
+
+        parts = [json.loads(path.read_text()) for path in args.report]
+        batches = [b for part in parts for b in part["batches"]]
+        result = {
+            "batches": batches,
+            "summary": summarise(batches),
+            "seconds_total": sum(p.get("seconds_total", 0) for p in parts),
+        }
+        plots(result, args.report[0].parent)
+    else:
+        torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
+        result = run(SIZES[args.size], args.out, args.work_dir, args.env)
+        plots(result, args.out, f"_{'_'.join(args.env)}" if args.env else "")
+    print(tables(result))
+    print(f"\ntotal {result.get('seconds_total', 0):.0f} s")
+
+
+if __name__ == "__main__":
+    main()
