@@ -20,6 +20,16 @@ Part 3, for WebShop: the expert played on every task of a split ("test", the 500
 papers validate on; `--quick`: the first 100): its success rate (reward 1), mean score and
 steps per second.
 
+Part 4, for ALFWorld, once with TextWorld's own text derivation (`memo_text=False`, before)
+and once with `_MemoGrammar` (after), in one run: 1, 8 and 32 envs (each on its own game)
+stepped in turn in one process, as a worker steps them, next to the same envs each stepped
+alone (all its steps, then the next env's): a game's step cost varies 3x with its room, so
+only the same games compare (Part 1's single env plays the first game, a light one). Best of
+three alternating rounds, since other jobs make these timings noisy. Then `VectorEnv` over
+the 32 envs: serial, the process backend on 1, 2, ... workers (`--alfworld-workers`) and,
+after only, threads. ALFWorld's Part 2 row is this part's "after" run, its "single" the
+32 envs stepped alone.
+
 Prints a table and writes the numbers, with the machine's load average (other jobs
 make these numbers noisy), as JSON.
 """
@@ -147,6 +157,82 @@ def bench_vector(name: str, backend: str, num_envs: int, batches: int, step_time
     return {"steps_per_s": num_envs * batches / step_s, "batch_reset_s": reset_s, "failures": failures}
 
 
+def _per_worker(engines: list, steps: int, rounds: int) -> tuple[float, float]:
+    """(steps/s stepping each engine alone in turn, steps/s interleaving them), best of `rounds`.
+
+    Alone: `steps` steps of engine 0, then of engine 1, ...; interleaved: one step of each in
+    turn, `steps` times, as a worker steps its envs. Same engines, same games, same step count;
+    the rounds alternate the two orders so that a load spike from other jobs hits both.
+    """
+    alone, together = float("inf"), float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for env in engines:
+            for _ in range(steps):
+                env.step(env.invalid_action)
+        alone = min(alone, time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(steps):
+            for env in engines:
+                env.step(env.invalid_action)
+        together = min(together, time.perf_counter() - start)
+    count = len(engines) * steps
+    return count / alone, count / together
+
+
+def _vector_rate(vec: VectorEnv, action: str, batches: int, min_seconds: float) -> float:
+    """Steps/s of lockstep batches of `action` over every env of `vec`: at least `batches` and `min_seconds`."""
+    actions = [action] * vec.num_envs
+    vec.step(actions)  # warm-up
+    done, start = 0, time.perf_counter()
+    while done < batches or time.perf_counter() - start < min_seconds:
+        vec.step(actions)
+        done += 1
+    return vec.num_envs * done / (time.perf_counter() - start)
+
+
+def bench_alfworld_workers(
+    games: int, steps: dict[bool, int], min_seconds: float, workers: list[int], step_timeout: float
+) -> dict[str, Any]:
+    """Part 4: N envs per worker vs the same envs stepped alone, and the backends, before and after.
+
+    `steps[memo_text]` steps per env and measurement (TextWorld's own text is ~20x slower).
+    """
+    name, task_ids = "alfworld", _task_ids("alfworld", games)
+    sizes = sorted({n for n in (1, 8, 32) if n < games} | {games})
+    report: dict[str, Any] = {"games": games, "task_ids": task_ids}
+    for label, memo_text in (("textworld_text", False), ("memo_text", True)):
+        kwargs = {"memo_text": memo_text}
+        row: dict[str, Any] = {"per_worker": {}, "process": {}}
+        engines = [envs.make_env(name, **kwargs) for _ in task_ids]
+        try:
+            for env, task_id in zip(engines, task_ids):
+                env.reset(task_id)
+                env.step(env.invalid_action)
+            for n in sizes:
+                alone, together = _per_worker(engines[:n], steps[memo_text], rounds=3)
+                row["per_worker"][n] = {"steps_per_s": together, "alone_steps_per_s": alone, "ratio": together / alone}
+                print(f"alfworld {label} {n:>3} envs in one worker: {together:.1f} steps/s, alone {alone:.1f}", flush=True)
+        finally:
+            for env in engines:
+                env.close()
+        backends = [("serial", 1)] + [("process", w) for w in workers] + ([("thread", 32)] if memo_text else [])
+        for backend, count in backends:
+            with VectorEnv(
+                name, games, env_kwargs=kwargs, backend=backend, num_workers=count, step_timeout=step_timeout
+            ) as vec:
+                vec.reset(task_ids)
+                rate = _vector_rate(vec, "look", 2, min_seconds)
+                result = {"steps_per_s": rate, "failures": vec.num_failures}
+            if backend == "process":
+                row["process"][count] = result
+            else:
+                row[backend] = result
+            print(f"alfworld {label} VectorEnv {backend} x{count}: {rate:.1f} steps/s", flush=True)
+        report[label] = row
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI size: fewer resets, steps and batches")
@@ -155,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-envs", type=int, default=128, help="envs per VectorEnv (CPU engines)")
     parser.add_argument("--jvm-envs", type=int, default=4, help="envs per VectorEnv for ScienceWorld (one JVM each)")
     parser.add_argument("--step-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--alfworld-workers", type=int, nargs="+", default=None, help="process workers in Part 4 (default: 1, 2, cpus)"
+    )
     args = parser.parse_args(argv)
 
     resets, steps, batches = (5, 50, 5) if args.quick else (30, 400, 20)
@@ -169,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "single": {},
         "vector": {},
         "expert": {},
+        "alfworld_workers": {},
         "skipped": {},
     }
     for name in args.engines:
@@ -188,6 +278,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             num_envs = args.jvm_envs
         else:
             num_envs = args.num_envs if not slow_engine else min(args.num_envs, 32)
+        if name == "alfworld":  # Part 4, whose "after" run is ALFWorld's Part 2 row
+            part4 = bench_alfworld_workers(
+                8 if args.quick else num_envs,
+                {False: 2, True: 10} if args.quick else {False: 3, True: 20},
+                1.0 if args.quick else 5.0,
+                args.alfworld_workers or sorted({1, 2, os.cpu_count() or 1}),
+                args.step_timeout,
+            )
+            report["alfworld_workers"] = part4
+            after, most = part4["memo_text"], max(part4["memo_text"]["process"])
+            alone = after["per_worker"][part4["games"]]["alone_steps_per_s"]
+            # "single" is one env on the same games, not on the first game only (a light one).
+            report["vector"][name] = {"num_envs": part4["games"], "process_workers": most, "alone_steps_per_s": alone}
+            for backend, result in (("serial", after["serial"]), ("thread", after["thread"]),
+                                    ("process", after["process"][most])):
+                report["vector"][name][backend] = {"steps_per_s": result["steps_per_s"],
+                                                   "ratio_to_single": result["steps_per_s"] / alone}
+            continue
         vector = {"num_envs": num_envs}
         for backend in BACKENDS:
             result = bench_vector(
@@ -220,7 +328,7 @@ def _print_tables(report: dict[str, Any]) -> None:
     print("\nVectorEnv steps/s (ratio to one env stepped alone)")
     print(f"{'engine':>12} {'envs':>5} {'single':>10} " + " ".join(f"{b:>20}" for b in BACKENDS))
     for name, row in report["vector"].items():
-        single = 1.0 / report["single"][name]["invalid_step_s"]
+        single = row.get("alone_steps_per_s") or 1.0 / report["single"][name]["invalid_step_s"]
         cells = " ".join(f"{row[b]['steps_per_s']:>10.0f} ({row[b]['ratio_to_single']:>6.3f}x)" for b in BACKENDS)
         print(f"{name:>12} {row['num_envs']:>5} {single:>10.0f} {cells}")
     if report["expert"]:
@@ -231,6 +339,27 @@ def _print_tables(report: dict[str, Any]) -> None:
             f"{name:>12} {row['split']:>6} {row['tasks']:>6} {row['success_rate']:>8.3f} {row['mean_return']:>7.3f} "
             f"{row['steps_per_episode']:>9.2f} {row['steps_per_s']:>8.0f}"
         )
+    part4 = report["alfworld_workers"]
+    if part4:
+        games = part4["games"]
+        print("\nALFWorld: N envs stepped in turn in one process vs each stepped alone (same envs and games), steps/s")
+        print(f"{'text':>15} {'envs':>5} {'alone':>8} {'in turn':>8} {'ratio':>6}")
+        for label in ("textworld_text", "memo_text"):
+            for n, row in part4[label]["per_worker"].items():
+                print(f"{label:>15} {n:>5} {row['alone_steps_per_s']:>8.1f} {row['steps_per_s']:>8.1f} {row['ratio']:>6.2f}")
+        before, after = part4["textworld_text"], part4["memo_text"]
+        print(f"\nALFWorld: before (TextWorld's text) -> after (_MemoGrammar), steps/s, {games} envs")
+        for n in after["per_worker"]:
+            b, a = before["per_worker"][n]["steps_per_s"], after["per_worker"][n]["steps_per_s"]
+            print(f"{'in turn':>16} {n:>3} envs: {b:>8.1f} -> {a:>8.1f} ({a / b:.1f}x)")
+        b, a = before["serial"]["steps_per_s"], after["serial"]["steps_per_s"]
+        print(f"{'VectorEnv serial':>16} {games:>3} envs: {b:>8.1f} -> {a:>8.1f} ({a / b:.1f}x)")
+        for w in after["process"]:
+            b, a = before["process"][w]["steps_per_s"], after["process"][w]["steps_per_s"]
+            print(
+                f"{'process':>16} {w:>2} workers: {b:>8.1f} -> {a:>8.1f} ({a / b:.1f}x); "
+                f"vs serial: before {b / before['serial']['steps_per_s']:.2f}x, after {a / after['serial']['steps_per_s']:.2f}x"
+            )
     for name, reason in report["skipped"].items():
         print(f"skipped {name}: {reason}")
 
