@@ -54,9 +54,9 @@ def train_tokenizer(env: str, rows: Sequence[dict[str, Any]], vocab_size: int = 
     return tokenizer
 
 
-def tiny_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Qwen2ForCausalLM:
+def tiny_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, seed: int = 0, **heads) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 sized for a CPU (`bipace_trainer.models.tiny_qwen2`)."""
-    return tiny_qwen2(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed)
+    return tiny_qwen2(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed, **heads)
 
 
 def sft_warm_start(

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python bench/cost.py           # CPU: embedded SmolLM2-135M on TextCraft (~15 minutes)
     OMP_NUM_THREADS=2 python bench/cost.py --quick   # CI size: tiny random model on the tiny env (~1 minute)
+    OMP_NUM_THREADS=1 python bench/cost.py --quick --vllm   # also the vLLM variants (where vLLM is installed)
     python bench/cost.py --device cuda --model Qwen/Qwen2.5-1.5B-Instruct --tasks 4 --num-generations 8 \
         --max-turns 5 --max-completion-length 256 --steps 4
 
@@ -11,6 +12,11 @@ captured by a hook during generation's prefill), bipace_q with `hidden_capture="
 bigagpo. Every variant starts from the same weights with the same seed and a learning
 rate of 0, so all of them roll out the very same episodes (checked: the fingerprints of
 their batches must agree) and differ only in what their preset adds.
+
+With `--vllm` three more variants generate through vLLM (colocate): gigpo, bipace_q
+with the hidden state captured by a hook in the old-logprob pass that runs anyway under
+vLLM (no extra pass), and bipace_q with the extra forward pass (`forward`, what this
+trainer did under vLLM before); their batches are compared among themselves.
 
 Per step the trainer logs time/rollout_s (= generate + env + hidden capture),
 time/hidden_s, time/estimator_s, time/logps_s and TRL's step_time; the update is what
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -46,6 +53,11 @@ VARIANTS = {  # name: (preset, hidden_capture)
     "bipace_q/forward": ("bipace_q", "forward"),
     "gagpo": ("gagpo", "hook"),
     "bigagpo": ("bigagpo", "hook"),
+}
+VLLM_VARIANTS = {
+    "gigpo/vllm": ("gigpo", "hook"),
+    "bipace_q/vllm": ("bipace_q", "hook"),
+    "bipace_q/vllm-forward": ("bipace_q", "forward"),
 }
 PHASES = ("generate_s", "env_s", "hidden_s", "estimator_s", "logps_s", "update_s")
 
@@ -85,6 +97,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3, help="steps per variant; the first is a warm-up")
     parser.add_argument("--cluster-layer", type=int, default=-8)
+    parser.add_argument("--vllm", action="store_true", help="also the variants generating through vLLM (colocate)")
     parser.add_argument("--out", default=str(common.ROOT / "docs" / "results" / "cost.json"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -101,13 +114,15 @@ def load_policy(args, path: Path):
     else:
         task_ids = [spec.task_id for spec in resolve_env_class(args.env).tasks("train")]
         tokenizer = common.train_tokenizer(args.env, collect_demonstrations(args.env, task_ids, history_length=1))
-        model = common.tiny_model(tokenizer)
+        heads = dict(heads=1, kv_heads=1) if args.vllm else {}  # vLLM's CPU attention needs head_dim >= 32
+        model = common.tiny_model(tokenizer, **heads)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 
 def train_variant(name: str, args, policy: Path, output_dir: str) -> dict:
-    preset, capture = VARIANTS[name]
+    preset, capture = {**VARIANTS, **VLLM_VARIANTS}[name]
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=4096) if name in VLLM_VARIANTS else {}
     config = BiPACEConfig(
         output_dir=output_dir,
         env_name=args.env,
@@ -132,6 +147,7 @@ def train_variant(name: str, args, policy: Path, output_dir: str) -> dict:
         disable_tqdm=True,
         use_cpu=args.device == "cpu",
         seed=0,
+        **vllm,
     )
     model, tokenizer = AutoModelForCausalLM.from_pretrained(policy), load_tokenizer(policy)
     trainer = FingerprintTrainer(model, args=config, processing_class=tokenizer)
@@ -161,14 +177,19 @@ def train_variant(name: str, args, policy: Path, output_dir: str) -> dict:
 
 def shares(variants: dict) -> dict:
     """BiPACE-specific cost next to the paper's, from step differences and from measured parts."""
-    gigpo = variants["gigpo"]["median"]
     out = {"paper": PAPER_SHARE}
-    for name in ("bipace_q", "bipace_q/forward"):
-        mine = variants[name]["median"]
+    pairs = [("bipace_q", "gigpo"), ("bipace_q/forward", "gigpo"),
+             ("bipace_q/vllm", "gigpo/vllm"), ("bipace_q/vllm-forward", "gigpo/vllm")]
+    for name, base in pairs:
+        if name not in variants:
+            continue
+        mine, gigpo = variants[name]["median"], variants[base]["median"]
         out[name] = {
             "step_difference_vs_gigpo": (mine["step_s"] - gigpo["step_s"]) / mine["step_s"],
             "hidden_forward_pass": mine["hidden_s"] / mine["step_s"],
             "estimator_vs_gigpo": (mine["estimator_s"] - gigpo["estimator_s"]) / mine["step_s"],
+            # under vLLM the hook rides on the old-logprob pass: what it adds there
+            "logprob_pass_vs_gigpo": (mine["logps_s"] - gigpo["logps_s"]) / mine["step_s"],
         }
     return out
 
@@ -183,11 +204,13 @@ def report(result: dict) -> None:
         print(line + f"{median['step_s'] / gigpo:>10.3f}")
     share = result["bipace_share"]
     print(f"\nBiPACE-specific share of a step (paper: {share['paper']:.1%}):")
-    for name in ("bipace_q", "bipace_q/forward"):
+    for name in [n for n in share if n != "paper"]:
         s = share[name]
         print(f"  {name:<17} step difference vs gigpo {s['step_difference_vs_gigpo']:+.1%}, "
-              f"extra forward pass {s['hidden_forward_pass']:.1%}, estimator extra {s['estimator_vs_gigpo']:+.2%}")
-    print(f"same batches in every variant: {result['same_batches']}")
+              f"extra forward pass {s['hidden_forward_pass']:.1%}, estimator extra {s['estimator_vs_gigpo']:+.2%}, "
+              f"old-logprob pass extra {s['logprob_pass_vs_gigpo']:+.2%}")
+    print(f"same batches in every variant: {result['same_batches']}"
+          + (f"; in every vLLM variant: {result['same_batches_vllm']}" if "same_batches_vllm" in result else ""))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -213,13 +236,15 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.vllm:  # vLLM's CPU build otherwise reserves a share of RAM for its KV cache
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         load_policy(args, Path(tmp) / "policy")
         variants = {}
-        for name in VARIANTS:
+        for name in list(VARIANTS) + (list(VLLM_VARIANTS) if args.vllm else []):
             print(f"{name} ...", flush=True)
             variants[name] = train_variant(name, args, Path(tmp) / "policy", str(Path(tmp) / name.replace("/", "-")))
-    fingerprints = {tuple(v["fingerprints"]) for v in variants.values()}
+    fingerprints = {tuple(v["fingerprints"]) for n, v in variants.items() if n in VARIANTS}
     result = {
         "model": args.model or "tiny random Qwen2 (64 x 2)",
         "env": args.env,
@@ -232,6 +257,8 @@ def main(argv=None):
         "bipace_share": shares(variants),
         "machine": common.machine(),
     }
+    if args.vllm:
+        result["same_batches_vllm"] = len({tuple(variants[n]["fingerprints"]) for n in VLLM_VARIANTS}) == 1
     report(result)
     out = common.write_json(args.out, result)
     plot(result, out.with_suffix(".png"))
@@ -239,5 +266,5 @@ def main(argv=None):
     return result
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from re-running the bench
     main()

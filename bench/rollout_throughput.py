@@ -4,6 +4,10 @@
     OMP_NUM_THREADS=2 python bench/rollout_throughput.py --quick  # CI size, tiny env (~20 s)
     python bench/rollout_throughput.py --device cuda --model Qwen/Qwen2.5-0.5B-Instruct \
         --num-envs 1 8 32 128 --max-completion-length 128
+    # the lockstep rollout generating with vLLM next to HF generate (run where vLLM is
+    # installed, e.g. the venv of tests/vllm/make_venv.sh on a CPU)
+    OMP_NUM_THREADS=1 python bench/rollout_throughput.py --vllm --model embedded --num-envs 8 32 --max-turns 2 \
+        --max-completion-length 64
 
 One model, one tokenizer, the same first-turn prompts; three ways of generating, timed
 side by side in one run for each number B of parallel envs:
@@ -17,6 +21,10 @@ side by side in one run for each number B of parallel envs:
 - one at a time: each episode played alone with batch-1 generation (a plain agent loop),
   measured once on min(B_max, --sequential-episodes) episodes.
 
+With `--vllm`, the lockstep rollout is timed a second time with generation through vLLM
+(`use_vllm=True`, colocate; the same weights, saved and loaded by the engine), at the
+same batch sizes; the ratio vLLM / HF generate is printed per row.
+
 Throughput = completion tokens / wall seconds, env time included for the two rollouts.
 By default the model is a tiny random Qwen2 with a tokenizer trained on the env's text
 (bench/common.py): its replies are almost never valid actions, so every episode runs the
@@ -27,6 +35,7 @@ the three paths do comparable work. Writes JSON and a plot (tokens/s against B).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -56,6 +65,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--sequential-episodes", type=int, default=8, help="episodes played one at a time")
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per B (median)")
+    parser.add_argument("--vllm", action="store_true", help="also time the lockstep rollout generating with vLLM")
     parser.add_argument("--out", default=str(common.ROOT / "docs" / "results" / "rollout_throughput.json"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -73,10 +83,11 @@ def load_policy(args):
     specs = resolve_env_class(args.env).tasks("train")[:60]
     rows = collect_demonstrations(args.env, [spec.task_id for spec in specs], history_length=HISTORY_LENGTH)
     tokenizer = common.train_tokenizer(args.env, rows)
-    return common.tiny_model(tokenizer, hidden_size=64, layers=2), tokenizer
+    heads = dict(heads=1, kv_heads=1) if args.vllm else {}  # vLLM's CPU attention needs head_dim >= 32
+    return common.tiny_model(tokenizer, hidden_size=64, layers=2, **heads), tokenizer
 
 
-def make_trainer(model, tokenizer, args, output_dir) -> BiPACETrainer:
+def make_trainer(model, tokenizer, args, output_dir, **vllm) -> BiPACETrainer:
     config = BiPACEConfig(
         output_dir=output_dir,
         env_name=args.env,
@@ -92,8 +103,26 @@ def make_trainer(model, tokenizer, args, output_dir) -> BiPACETrainer:
         report_to="none",
         save_strategy="no",
         seed=0,
+        **vllm,
     )
     return BiPACETrainer(model, args=config, processing_class=tokenizer)
+
+
+def measure_vllm(model, tokenizer, args, output_dir, result) -> None:
+    """The lockstep rows again, generating through vLLM (colocate) from the same weights."""
+    model.save_pretrained(Path(output_dir) / "policy")
+    tokenizer.save_pretrained(Path(output_dir) / "policy")
+    engine_model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
+    trainer = make_trainer(
+        engine_model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=4096
+    )
+    lockstep(trainer, task_refs(args.env, 2))  # warm-up
+    for row in result["rows"]:
+        tasks = task_refs(args.env, row["num_envs"])
+        run = median_run(lambda: lockstep(trainer, tasks), args.repeats)
+        run.pop("first_prompts")
+        run["tokens_per_s"] = run["tokens"] / run["seconds"]
+        row["lockstep_vllm"] = run
 
 
 def task_refs(env: str, count: int) -> list[TaskRef]:
@@ -171,6 +200,12 @@ def report(result) -> None:
             f"{row['ratio_lockstep_vs_trl']:>14.2f}{row['ratio_lockstep_vs_one_at_a_time']:>22.2f}"
             f"{multi['env_s'] / multi['seconds']:>11.1%}"
         )
+    if all("lockstep_vllm" in row for row in result["rows"]):
+        print(f"\n{'envs':>5}{'lockstep HF tok/s':>19}{'lockstep vLLM tok/s':>21}{'vLLM/HF':>9}")
+        for row in result["rows"]:
+            hf, vllm = row["lockstep"]["tokens_per_s"], row["lockstep_vllm"]["tokens_per_s"]
+            row["ratio_vllm_vs_hf"] = vllm / hf
+            print(f"{row['num_envs']:>5}{hf:>19,.0f}{vllm:>21,.0f}{row['ratio_vllm_vs_hf']:>9.2f}")
 
 
 def plot(result, path: Path, title: str) -> None:
@@ -183,6 +218,8 @@ def plot(result, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(envs, [r["lockstep"]["tokens_per_s"] for r in result["rows"]], "o-", label="multi-turn lockstep rollout")
     ax.plot(envs, [r["trl_single_turn"]["tokens_per_s"] for r in result["rows"]], "s--", label="TRL single-turn generation")
+    if all("lockstep_vllm" in r for r in result["rows"]):
+        ax.plot(envs, [r["lockstep_vllm"]["tokens_per_s"] for r in result["rows"]], "^-", label="lockstep rollout, vLLM")
     ax.axhline(result["one_at_a_time"]["tokens_per_s"], color="grey", linestyle=":", label="one env at a time, batch 1")
     ax.set(xscale="log", yscale="log", xlabel="parallel envs (batch size)", ylabel="completion tokens / s", title=title)
     ax.set_xticks(envs, [str(e) for e in envs])
@@ -194,11 +231,16 @@ def plot(result, path: Path, title: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.vllm:  # vLLM's CPU build otherwise reserves a share of RAM for its KV cache
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.manual_seed(0)
     model, tokenizer = load_policy(args)
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = make_trainer(model, tokenizer, args, output_dir)
         result = measure(trainer, args)
+        trainer.close_envs()
+        if args.vllm:
+            measure_vllm(model, tokenizer, args, output_dir, result)
     report(result)
     out = Path(args.out)
     model_name = args.model or "tiny random Qwen2 (64 x 2)"
@@ -217,5 +259,5 @@ def main(argv=None):
     return result
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from re-running the bench
     main()
