@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "bipace_state.json"
 BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
+ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
 # A run stops once every episode of this many generations in a row failed (env broken, not flaky).
 MAX_ALL_FAILED_GENERATIONS = 3
 EVAL_FILE = "eval_results.json"
@@ -126,10 +127,9 @@ class _GracefulStopCallback(TrainerCallback):
     """On SIGTERM (a scheduler's preemption notice), finish the current step, save a
     checkpoint and stop, instead of dying mid-step. A hung env cannot hold the step
     forever: every backend ends a call at `env_step_timeout`. A second SIGTERM, or one
-    after the last step (during the final evaluation, whose checkpoint is already
-    saved), stops at once. SIGKILL cannot be caught: atomic checkpoint writes
-    (`BiPACETrainer._save_checkpoint`) keep the last one loadable. Added before the
-    evaluation callback, so its `on_train_end` runs before the final evaluation."""
+    once the last step is done and saved (during the final evaluation), stops at once,
+    but never inside a checkpoint save. SIGKILL cannot be caught: atomic checkpoint
+    writes (`BiPACETrainer._save_checkpoint`) keep the last one loadable."""
 
     def __init__(self, trainer: "BiPACETrainer"):
         self.trainer = trainer
@@ -139,7 +139,9 @@ class _GracefulStopCallback(TrainerCallback):
 
     def _request_stop(self, signum, frame):
         self.trainer.interrupted = True
-        if self._requested or self._training_over:
+        state = self.trainer.state
+        trained = bool(state.max_steps) and state.global_step >= state.max_steps and not self.trainer._saving
+        if self._requested or self._training_over or trained:
             raise TrainingInterrupted(f"SIGTERM at step {self.trainer.state.global_step}")
         self._requested = True
 
@@ -248,6 +250,7 @@ class BiPACETrainer(GRPOTrainer):
         self._train_generations = self._healthy_generations = self._all_failed_streak = 0
         self._last_env_failure = ""
         self._checkpoint_staging: str | None = None
+        self._saving = False
         self._graceful_stop = _GracefulStopCallback(self)
         self.add_callback(self._graceful_stop)  # first: see its docstring
         self.add_callback(_EvaluationCallback(self))
@@ -354,6 +357,9 @@ class BiPACETrainer(GRPOTrainer):
                 num_workers=self.args.env_workers,
                 step_timeout=self.args.env_step_timeout,
             )
+            if name == "train" and getattr(self, "_resumed_env_counters", None):
+                envs.add_counters(self._resumed_env_counters)  # env/* metrics continue the checkpointed run's
+                self._resumed_env_counters = None
             self._vector_envs[name] = envs
         return envs
 
@@ -726,6 +732,13 @@ class BiPACETrainer(GRPOTrainer):
         return self._checkpoint_staging or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
+        self._saving = True  # a SIGTERM now waits for the save to end (`_GracefulStopCallback`)
+        try:
+            self._save_checkpoint_atomically(model, trial)
+        finally:
+            self._saving = False
+
+    def _save_checkpoint_atomically(self, model, trial):
         """Write the checkpoint into a staging folder, then rename it into place.
 
         A kill during the save (SIGKILL, OOM, preemption) leaves only the staging
@@ -749,6 +762,11 @@ class BiPACETrainer(GRPOTrainer):
         if self.args.should_save:
             state = {"estimator": self.estimator.state_dict(), "eval_history": self.eval_history}
             (staging / name / STATE_FILE).write_text(json.dumps(state))
+        if "train" in self._vector_envs:
+            counters = self._vector_envs["train"].counters()
+            path = staging / name / ENV_COUNTERS_FILE.format(rank=self.accelerator.process_index)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(counters))
         if self._step % (self.args.steps_per_generation * self.num_iterations) and self._buffered_inputs is not None:
             (staging / name).mkdir(parents=True, exist_ok=True)
             buffer = {"step": self._step, "buffered_inputs": self._buffered_inputs}
@@ -773,6 +791,9 @@ class BiPACETrainer(GRPOTrainer):
             state = json.loads((Path(checkpoint) / STATE_FILE).read_text())
             self.estimator.load_state_dict(state["estimator"])
             self.eval_history = state.get("eval_history", [])
+        counters_path = Path(checkpoint or "") / ENV_COUNTERS_FILE.format(rank=self.accelerator.process_index)
+        if checkpoint is not None and counters_path.exists():
+            self._resumed_env_counters = json.loads(counters_path.read_text())
         buffer_path = Path(checkpoint or "") / BUFFER_FILE.format(rank=self.accelerator.process_index)
         if checkpoint is not None and buffer_path.exists():  # saved mid-generation
             buffer = torch.load(buffer_path, map_location=self.accelerator.device, weights_only=False)
