@@ -519,6 +519,22 @@ class VectorEnv:
             results[i] = self._record(i, "step", _CallFailure("worker_restarted", reason))
         return results
 
+    def counters(self) -> dict[str, Any]:
+        """The counters behind `metrics`, to carry into a resumed run (`add_counters`)."""
+        return {
+            "failures": self.num_failures,
+            "failure_counts": dict(self.failure_counts),
+            "calls": dict(self._calls),
+            "seconds": dict(self._seconds),
+        }
+
+    def add_counters(self, counters: dict[str, Any]) -> None:
+        """Add the `counters()` of an earlier VectorEnv (the run before a resume)."""
+        self.num_failures += int(counters["failures"])
+        self.failure_counts.update(counters["failure_counts"])
+        self._calls.update(counters["calls"])
+        self._seconds.update(counters["seconds"])
+
     def metrics(self) -> dict[str, float]:
         """Counters and timings, namespaced for logging."""
         out = {
