@@ -113,6 +113,14 @@ class _EvaluationCallback(TrainerCallback):
         if args.eval_interval and state.global_step % args.eval_interval == 0 and state.global_step < state.max_steps:
             self.trainer.evaluate_policy(tag="interval")
 
+
+class _FinalEvaluationCallback(TrainerCallback):
+    """The final evaluation, placed before every other callback: the trackers' own
+    `on_train_end` finishes their runs, and the evaluation still logs (TRL's profiling too)."""
+
+    def __init__(self, trainer: "BiPACETrainer"):
+        self.trainer = trainer
+
     def on_train_end(self, args, state, control, **kwargs):
         if not self.trainer.interrupted:  # a preempted run saves and leaves; it evaluates after resuming
             self.trainer.evaluate_policy(tag="final")
@@ -254,6 +262,7 @@ class BiPACETrainer(GRPOTrainer):
         self._graceful_stop = _GracefulStopCallback(self)
         self.add_callback(self._graceful_stop)  # first: see its docstring
         self.add_callback(_EvaluationCallback(self))
+        self.callback_handler.callbacks.insert(0, _FinalEvaluationCallback(self))
 
     # ------------------------------------------------------------------ generation
 

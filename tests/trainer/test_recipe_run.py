@@ -4,8 +4,10 @@ processes under `accelerate launch`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +95,22 @@ def test_a_recipe_run_ends_cleanly_under_accelerate_launch(warm_policy_dir, tmp_
     assert not any(r["group_alive"] for r in ranks)  # main() destroyed the process group on every rank
     run = Path(recipe["output_dir"])
     assert (run / "checkpoint-2").is_dir() and "train/loss" in scalar_tags(run)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trackio") is None, reason="trackio is not installed (pip install -e .[tracking])")
+def test_a_recipe_run_reports_to_trackio_with_the_completions_table(warm_policy_dir, tmp_path):
+    path, recipe = shrunk_recipe(tmp_path, warm_policy_dir, max_steps=2, save_strategy="no", report_to="trackio",
+                                 project="bipace-test", run_name="shrunk", log_completions=True, num_completions_to_print=1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", TRACKIO_DIR=str(tmp_path / "trackio"))
+    done = subprocess.run([sys.executable, "train.py", "--config", str(path)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Run finished" in done.stdout  # the tracker was finished at the end of the run
+    with sqlite3.connect(tmp_path / "trackio" / "bipace-test.db") as db:
+        logged = [json.loads(blob) for (blob,) in db.execute("select metrics from metrics where run_name = 'shrunk'")]
+    keys = {key for entry in logged for key in entry}
+    assert {"train/episode/success_rate", "train/loss", "completions"} <= keys
+    table = next(entry["completions"] for entry in logged if "completions" in entry)  # TRL's table, one row per step
+    rows = table["_value"]  # one row per env step
+    assert rows and {"task", "turn", "action", "valid", "return", "cluster", "branch", "advantage"} <= set(rows[0])
