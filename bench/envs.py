@@ -20,7 +20,7 @@ Part 3, for WebShop: the expert played on every task of a split ("test", the 500
 papers validate on; `--quick`: the first 100): its success rate (reward 1), mean score and
 steps per second.
 
-Part 4, for ALFWorld, once with TextWorld's own text derivation (`memo_text=False`, before)
+Part 4, for ALFWorld, once with TextWorld's own text derivation (`memo=False`, before)
 and once with `_MemoGrammar` (after), in one run: 1, 8 and 32 envs (each on its own game)
 stepped in turn in one process, as a worker steps them, next to the same envs each stepped
 alone (all its steps, then the next env's): a game's step cost varies 3x with its room, so
@@ -196,13 +196,13 @@ def bench_alfworld_workers(
 ) -> dict[str, Any]:
     """Part 4: N envs per worker vs the same envs stepped alone, and the backends, before and after.
 
-    `steps[memo_text]` steps per env and measurement (TextWorld's own text is ~20x slower).
+    `steps[memo]` steps per env and measurement (TextWorld's own text is ~20x slower).
     """
     name, task_ids = "alfworld", _task_ids("alfworld", games)
     sizes = sorted({n for n in (1, 8, 32) if n < games} | {games})
     report: dict[str, Any] = {"games": games, "task_ids": task_ids}
-    for label, memo_text in (("textworld_text", False), ("memo_text", True)):
-        kwargs = {"memo_text": memo_text}
+    for label, memo in (("textworld", False), ("memo", True)):
+        kwargs = {"memo": memo}
         row: dict[str, Any] = {"per_worker": {}, "process": {}}
         engines = [envs.make_env(name, **kwargs) for _ in task_ids]
         try:
@@ -210,13 +210,13 @@ def bench_alfworld_workers(
                 env.reset(task_id)
                 env.step(env.invalid_action)
             for n in sizes:
-                alone, together = _per_worker(engines[:n], steps[memo_text], rounds=3)
+                alone, together = _per_worker(engines[:n], steps[memo], rounds=3)
                 row["per_worker"][n] = {"steps_per_s": together, "alone_steps_per_s": alone, "ratio": together / alone}
                 print(f"alfworld {label} {n:>3} envs in one worker: {together:.1f} steps/s, alone {alone:.1f}", flush=True)
         finally:
             for env in engines:
                 env.close()
-        backends = [("serial", 1)] + [("process", w) for w in workers] + ([("thread", 32)] if memo_text else [])
+        backends = [("serial", 1)] + [("process", w) for w in workers] + ([("thread", 32)] if memo else [])
         for backend, count in backends:
             with VectorEnv(
                 name, games, env_kwargs=kwargs, backend=backend, num_workers=count, step_timeout=step_timeout
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.step_timeout,
             )
             report["alfworld_workers"] = part4
-            after, most = part4["memo_text"], max(part4["memo_text"]["process"])
+            after, most = part4["memo"], max(part4["memo"]["process"])
             alone = after["per_worker"][part4["games"]]["alone_steps_per_s"]
             # "single" is one env on the same games, not on the first game only (a light one).
             report["vector"][name] = {"num_envs": part4["games"], "process_workers": most, "alone_steps_per_s": alone}
@@ -344,10 +344,10 @@ def _print_tables(report: dict[str, Any]) -> None:
         games = part4["games"]
         print("\nALFWorld: N envs stepped in turn in one process vs each stepped alone (same envs and games), steps/s")
         print(f"{'text':>15} {'envs':>5} {'alone':>8} {'in turn':>8} {'ratio':>6}")
-        for label in ("textworld_text", "memo_text"):
+        for label in ("textworld", "memo"):
             for n, row in part4[label]["per_worker"].items():
                 print(f"{label:>15} {n:>5} {row['alone_steps_per_s']:>8.1f} {row['steps_per_s']:>8.1f} {row['ratio']:>6.2f}")
-        before, after = part4["textworld_text"], part4["memo_text"]
+        before, after = part4["textworld"], part4["memo"]
         print(f"\nALFWorld: before (TextWorld's text) -> after (_MemoGrammar), steps/s, {games} envs")
         for n in after["per_worker"]:
             b, a = before["per_worker"][n]["steps_per_s"], after["per_worker"][n]["steps_per_s"]

@@ -59,28 +59,33 @@ Otherwise the same search runs on the current state without the objects the goal
 won, `expert_action()` returns None only as an expert failure: logged with the game file and
 the reason, and counted in `env.expert_failures`.
 
-Cost (2 CPU cores, generated games): a reset translates the game with fast-downward twice,
-plus twice more the first time the process plays that game: 0.3-0.9 s again, 0.8-1.9 s the
-first time, kitchens being the slowest. TextWorld derives every admissible command and every
-observation from the game's grammar at each step, re-parsing the same grammar strings with
-TatSu and deep-copying contexts each time: 60-200 ms a step, 90% of it that re-parsing and
-copying. `_MemoGrammar` derives the same text with each string parsed once per process, 5-10 ms
-a step (`memo_text=False` restores TextWorld's own derivation, for comparison). A worker's envs
-share nothing but the parse cache, so N envs in one process step at the rate of the same games
-played one at a time. Calls into the engine hold a process-wide lock (TextWorld's grammar parsers
-and fast-downward's translator are process-global state), so threads do not speed ALFWorld up:
-run many envs in a process pool (`VectorEnv(..., backend="process")`). Building an env is cheap
-(no engine until the first reset) and picklable by registry name and keyword arguments.
+Cost (2 CPU cores, generated games). A reset builds a new PDDL state, translating the game with
+fast-downward's Python translator twice (80% of a reset), plus twice more the first time the
+engine plays that game; `_MemoTranslation` keeps the translations of the last ~32 games per
+process, halving a new game's reset and leaving a replay at 0.1-0.3 s. TextWorld derives every
+admissible command and every observation from the game's grammar at each step, re-parsing the
+same grammar strings with TatSu and deep-copying contexts each time: 60-200 ms a step, 90% of
+it that re-parsing and copying (the engine's own PDDL work is ~1 ms, the wrappers and this
+class well under 0.1 ms). `_MemoGrammar` derives the same text with each string parsed once
+per process: 2-10 ms a step. `memo=False` restores TextWorld's own derivation and translation,
+for comparison (`bench/envs.py` Part 4). A worker's envs share nothing but these caches, so N
+envs in one process step at the rate of the same games stepped one at a time. Calls into the
+engine hold a process-wide lock (TextWorld's grammar parsers and fast-downward's translator are
+process-global state), so threads do not speed ALFWorld up: run many envs in a process pool
+(`VectorEnv(..., backend="process")`). Building an env is cheap (no engine until the first
+reset) and picklable by registry name and keyword arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import logging
 import os
 import re
+import types
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -418,6 +423,55 @@ class _MemoGrammar:
         return joined + items[-1:]
 
 
+class _MemoTranslation(types.ModuleType):
+    """`fast_downward` as TextWorld's PDDL engine sees it, with `pddl2sas` answered from memory.
+
+    Every reset builds a new `PddlState`, which translates the game's PDDL to SAS twice with
+    fast-downward's Python translator (80% of a reset; loading a game does it twice more). The
+    translation is a pure function of (domain, problem, options) and `PddlState` only reads the
+    task it returns, so the last `_MAX_TRANSLATIONS` are kept, per process. Installed in
+    `textworld.envs.pddl.logic` on first use; `used(False)` (an engine with `memo=False`) goes
+    to the translator every time. Engine calls hold the engine lock, so the switch is safe.
+    """
+
+    enabled = False
+
+    def __init__(self, module):
+        super().__init__(module.__name__)
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+    def pddl2sas(self, domain: str, problem: str, **options):
+        if not _MemoTranslation.enabled:
+            return self._module.pddl2sas(domain, problem, **options)
+        return _translation(domain, problem, tuple(sorted(options.items())))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def used(enabled: bool):
+        from textworld.envs.pddl import logic
+
+        if not isinstance(logic.fast_downward, _MemoTranslation):
+            logic.fast_downward = _MemoTranslation(logic.fast_downward)
+        previous, _MemoTranslation.enabled = _MemoTranslation.enabled, enabled
+        try:
+            yield
+        finally:
+            _MemoTranslation.enabled = previous
+
+
+_MAX_TRANSLATIONS = 64  # two per game: ~32 games a process replays without translating
+
+
+@functools.lru_cache(maxsize=_MAX_TRANSLATIONS)
+def _translation(domain: str, problem: str, options: tuple):
+    import fast_downward
+
+    return fast_downward.pddl2sas(domain, problem, **dict(options))
+
+
 def _holds(rule, context) -> bool:
     """Whether the conjunctive query `rule` has a match in the context's state."""
     return any(True for _ in context["state"].all_assignments(rule, context["mapping"]))
@@ -428,11 +482,12 @@ class AlfredEngine:
 
     The stack `textworld.gym.register_games` builds for `AlfredTWEnv` (GenericEnvironment ->
     AlfredDemangler -> AlfredInfos -> Filter), requesting `won`, `admissible_commands` and the
-    `gamefile` extra. With `memo_text` (default) the game's grammar derives its text through
-    `_MemoGrammar` (the same text, ~10x faster steps); without it, through TextWorld's own code.
+    `gamefile` extra. With `memo` (default) the game's grammar derives its text through
+    `_MemoGrammar` (the same text, 20-60x faster steps) and the PDDL translations of a reset are
+    kept (`_MemoTranslation`); without it, everything runs through TextWorld's own code.
     """
 
-    def __init__(self, memo_text: bool = True):
+    def __init__(self, memo: bool = True):
         import textworld
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
         from textworld.envs.wrappers import Filter, GenericEnvironment
@@ -442,12 +497,12 @@ class AlfredEngine:
         for wrapper in (AlfredDemangler(shuffle=False), AlfredInfos, Filter):
             env = wrapper(env)
         self._env = env
-        self._memo_text = memo_text
+        self._memo = memo
         self._game_file: str | None = None
 
     def start(self, game_file: str) -> tuple[str, dict[str, Any]]:
         """Start `game_file` from its initial state: (observation, infos)."""
-        with engine_guard():
+        with engine_guard(), _MemoTranslation.used(self._memo):
             if game_file != self._game_file:  # loading translates the game twice more: skip it on replays
                 self._game_file = None
                 self._load(game_file)
@@ -474,7 +529,7 @@ class AlfredEngine:
                 f"ALFWorld game file {game_file}: its PDDL domain, problem or grammar does not parse "
                 f"({type(error).__name__}: {error}). {fix}"
             ) from error
-        if self._memo_text:
+        if self._memo:
             logic = self._env.unwrapped._logic
             logic.grammar = _MemoGrammar(logic.grammar)
 
@@ -540,8 +595,9 @@ class AlfWorldEnv(TextEnv):
             `~/.cache/bipace_trainer/alfworld`.
         task_types: `tasks()` lists only these types (default: all six); accepted here too so
             that one keyword dict serves `tasks()` and the env.
-        memo_text: derive observations and admissible commands with `_MemoGrammar` (the same text
-            as TextWorld's derivation, ~10x faster steps); False uses TextWorld's own, for benchmarks.
+        memo: derive observations and admissible commands with `_MemoGrammar` and keep PDDL
+            translations (`_MemoTranslation`): the same games, 20-60x faster steps and 2-5x faster
+            resets; False runs TextWorld's own code, for benchmarks.
     """
 
     instruction = (
@@ -560,13 +616,13 @@ class AlfWorldEnv(TextEnv):
         eval_games_per_type: int = 4,
         cache_dir: str | None = None,
         task_types: Sequence[str] | None = None,
-        memo_text: bool = True,
+        memo: bool = True,
     ):
         _check_settings(source, data_dir, task_types)
         # Only settings here: games are listed (or generated) and the engine built on first use,
         # so an env is cheap to build in every worker of a pool.
         self._data_settings = (source, data_dir, seed, train_games_per_type, eval_games_per_type, cache_dir)
-        self._memo_text = memo_text
+        self._memo = memo
         self._engine: AlfredEngine | None = None
         self._game: _GameEntry | None = None
         self._plan: list[str] | None = None  # rest of the expert's plan, while the agent follows it
@@ -629,7 +685,7 @@ class AlfWorldEnv(TextEnv):
                 f"({games[task_id].damage}). Re-run `alfworld-download` to restore it, or delete its trial folder."
             )
         if self._engine is None:
-            self._engine = AlfredEngine(memo_text=self._memo_text)
+            self._engine = AlfredEngine(memo=self._memo)
         self._game = games[task_id]
         observation, infos = self._engine.start(self._game.path)
         observation = observation.removeprefix(_WELCOME).lstrip("\n")

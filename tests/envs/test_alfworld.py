@@ -456,14 +456,15 @@ def test_expert_failure_is_logged_and_counted(generated, tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_memoised_text_is_textworlds_text(generated):
-    """`_MemoGrammar` derives the same observations and admissible commands as TextWorld's own grammar."""
+def test_memo_plays_exactly_as_textworld(generated):
+    """With `memo` (`_MemoGrammar`, `_MemoTranslation`) the same observations and admissible commands as
+    TextWorld's own derivation and translation, replays included."""
     import random
 
     specs = AlfWorldEnv.tasks("valid_unseen", **generated["kwargs"])[::2]  # TextWorld's own text costs ~0.1 s a step
     plays = {}
-    for memo_text in (False, True):
-        env = AlfWorldEnv(memo_text=memo_text, **generated["kwargs"])
+    for memo in (False, True):
+        env = AlfWorldEnv(memo=memo, **generated["kwargs"])
         rng, seen = random.Random(0), []
         try:
             for spec in specs:
@@ -472,9 +473,11 @@ def test_memoised_text_is_textworlds_text(generated):
                 for _ in range(5):
                     result = env.step(rng.choice(result.admissible_actions))
                     seen.append((result.observation, result.admissible_actions))
+            result = env.reset(specs[0].task_id)  # a replay: no load, and with memo no translation
+            seen.append((result.observation, result.admissible_actions))
         finally:
             env.close()
-        plays[memo_text] = seen
+        plays[memo] = seen
     assert plays[True] == plays[False]
     assert len({observation for observation, _ in plays[True]}) > len(specs) * 3  # the walk saw many states
 
