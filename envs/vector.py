@@ -68,8 +68,10 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import Counter, deque
 from concurrent.futures import ALL_COMPLETED, Future, wait
@@ -329,6 +331,7 @@ def _worker_main(conn, factory: _EnvFactory, env_indices: list[int], max_observa
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the workers
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     slots = {index: _Slot(factory, max_observation_chars) for index in env_indices}
+    exit_code = 0
     try:
         conn.send("ready")
         while True:
@@ -348,9 +351,17 @@ def _worker_main(conn, factory: _EnvFactory, env_indices: list[int], max_observa
                 except Exception as err:  # the env put something unpicklable in its result
                     slots[index].discard()
                     conn.send((index, _CallFailure("bad_result", _short(f"{method} result cannot be sent: {err}"))))
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
     finally:
         for slot in slots.values():
             slot.discard()
+        # Skip the interpreter's teardown: a spawned worker has imported the trainer's main
+        # module (torch, transformers...), whose teardown takes seconds per worker.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
