@@ -16,9 +16,9 @@ forces one. `tasks()` prints, once per process, which games it lists and why; a
 folder) before falling back to generated games. Games are collected as ALFWorld's
 `AlfredTWEnv.collect_game_files` does: every trial folder with `traj_data.json` and a
 `game.tw-pddl` marked solvable, skipping sliced-object and movable-receptacle trials. Official
-files of every release play: before alfworld 0.4.0 (`json_2.1.1` as first published) and after
-(`json_2.1.2`, "move {o} to {r}" for "put {o} in/on {r}"); each carries its own PDDL domain and
-grammar, which the engine and the expert use.
+files of every release play: those from before alfworld 0.4.0 (data 2.1.1, "put {o} in/on {r}",
+"You arrive at loc N.") and the later ones (data 2.1.2, "move {o} to {r}"); each file carries
+its own PDDL domain and grammar, which the engine and the expert use.
 
 Damaged data. A game file that is empty or cut short keeps its task id (so the ids after it do
 not move) but is left out of `tasks()`, and the list of such files is logged once; resetting it,
