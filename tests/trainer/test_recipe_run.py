@@ -66,6 +66,10 @@ def test_a_shrunk_recipe_checkpoints_at_its_save_steps(warm_policy_dir, tmp_path
     assert not (checkpoint / "adapter_config.json").exists()  # the recipe trains every parameter, no LoRA
     # the recipe's tracker received the run's metrics
     assert {"train/episode/success_rate", "train/loss", "train/advantage/std"} <= scalar_tags(run)
+    # and its rollout dumps are there: every 10th step's episodes, and the evaluations'
+    dumps = sorted(p.name for p in (run / "rollouts").iterdir())
+    assert dumps == ["eval-before-step-000000.jsonl", f"eval-final-step-{save_steps + 1:06d}.jsonl",
+                     "step-000010.jsonl", "step-000020.jsonl"]
 
 
 @pytest.mark.slow
