@@ -10,8 +10,10 @@ checkpointing, vLLM and DeepSpeed plumbing):
   training sample whose advantage comes from the estimator module.
 - Evaluation on held-out tasks (`evaluate_policy`), before/after training and every
   `eval_interval` steps, written to the logs and to `<output_dir>/eval_results.json`.
-- The estimator's state (calibrated ε) in checkpoints, and a model card that names the
-  env, preset, base model and final evaluation.
+- What the agent did, readable (`trajectories`): TRL's completions table filled with one
+  row per env step, and rollout dumps of training and evaluation episodes.
+- The estimator's state (calibrated ε) in checkpoints, and a model card (`model_card`)
+  that names the env, preset, base model, recipe and evaluation per task type.
 - Guards (docs/RELIABILITY.md): a batch without a non-zero advantage skips its update, a
   non-finite loss stops the run before the optimizer applies it, SIGTERM saves and stops,
   and checkpoints are written atomically.
