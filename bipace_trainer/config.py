@@ -258,6 +258,8 @@ class BiPACEConfig(GRPOConfig):
             (self.eval_interval >= 0, "eval_interval", "must be >= 0 (0 = before/after training only)"),
             (self.eval_temperature >= 0, "eval_temperature", "must be >= 0"),
             (self.env_step_timeout > 0, "env_step_timeout", "must be > 0 seconds"),
+            (self.env_step_timeout < self.ddp_timeout, "env_step_timeout",
+             f"must be below ddp_timeout ({self.ddp_timeout} s): the other ranks wait that long for a hung env's rank"),
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),
             (self.rollout_dump_steps >= 0, "rollout_dump_steps", "must be >= 0 (0 = no rollout dumps)"),
