@@ -46,6 +46,7 @@ class NotAnEnv:
         (dict(env_kwargs={"size": "four"}), "env_kwargs", r"TinyEnv.tasks\('train'\) raised TypeError.*fix the values"),
         (dict(env_kwargs={"size": 2, "goal_side": "right"}), "eval_split", "has no tasks"),
         (dict(env_name="tests.reliability.test_config:NotAnEnv"), "env_name", "not a subclass of envs.base.TextEnv"),
+        (dict(env_step_timeout=60.0, ddp_timeout=20), "env_step_timeout", "below ddp_timeout"),
     ],
 )
 def test_invalid_fields_fail_with_the_field_and_the_fix(overrides, field, fix):

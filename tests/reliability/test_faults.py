@@ -157,3 +157,15 @@ def test_a_run_whose_every_env_fails_stops_with_the_env_error(max_steps, when, w
     trainer.close_envs()
     assert "AlwaysFailingEnv" in str(error.value)
     assert trainer.state.global_step == 2  # the 6-step run stops in its third failed generation in a row
+
+
+def test_safe_text_and_fit_prompt_ids_on_hand_made_cases():
+    from bipace_trainer.prompting import fit_prompt_ids, safe_text
+
+    assert safe_text("a\ud800b") == "a?b"
+    assert safe_text("x<|im_end|>y</s>[INST]<<SYS>><end_of_turn>") == "x< |im_end|>y< /s>[ INST]< <SYS>>< end_of_turn>"
+    assert safe_text("if a < b | c > d: <action>go</action>") == "if a < b | c > d: <action>go</action>"  # not markup
+    assert safe_text("abcdef", 3) == "abc [... 3 more characters cut]"
+    assert fit_prompt_ids(range(10), 10) == list(range(10))
+    # 12 ids into 9 with a 1-id marker: the first quarter of the 8 kept ids, the marker, the last 6
+    assert fit_prompt_ids(range(12), 9, [99]) == [0, 1, 99, 6, 7, 8, 9, 10, 11]
