@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
+from envs.tiny import TinyEnv  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "textcraft_qwen2.5-1.5b_gigpo.yaml"
 # What shrinking changes: the model, env and sizes, and what a CPU cannot do (bf16, process
@@ -75,7 +76,7 @@ def test_a_shrunk_recipe_checkpoints_at_its_save_steps(warm_policy_dir, tmp_path
 @pytest.mark.slow
 def test_a_recipe_run_ends_cleanly_under_accelerate_launch(warm_policy_dir, tmp_path):
     path, recipe = shrunk_recipe(tmp_path, warm_policy_dir, max_steps=2, tasks_per_iteration=2, save_steps=2,
-                                 evaluate_before_training=False)
+                                 evaluate_before_training=False, rollout_dump_steps=1)
     accelerate = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "mixed_precision": "no",
                   "num_machines": 1, "machine_rank": 0, "rdzv_backend": "static", "same_network": True,
                   "use_cpu": False, "num_processes": 2}  # torchrun launcher; use_cpu in the recipe picks gloo
@@ -99,6 +100,12 @@ def test_a_recipe_run_ends_cleanly_under_accelerate_launch(warm_policy_dir, tmp_
     assert not any(r["group_alive"] for r in ranks)  # main() destroyed the process group on every rank
     run = Path(recipe["output_dir"])
     assert (run / "checkpoint-2").is_dir() and "train/loss" in scalar_tags(run)
+    # the dumps gather both ranks' episodes into one file
+    episodes = [json.loads(line) for line in (run / "rollouts" / "step-000002.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 * 2 and {e["rank"] for e in episodes} == {0, 1}
+    assert len({e["episode"] for e in episodes}) == 4  # episode ids are unique across ranks
+    final = [json.loads(line) for line in (run / "rollouts" / "eval-final-step-000002.jsonl").read_text().splitlines()]
+    assert len(final) == len(TinyEnv.tasks("valid", size=4)) and {e["rank"] for e in final} == {0, 1}
 
 
 @pytest.mark.slow
