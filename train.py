@@ -23,10 +23,13 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -38,25 +41,34 @@ from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
 from bipace_trainer.config import FIELD_GROUPS  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
+from bipace_trainer.run_summary import (  # noqa: E402
+    CURVE_FILE, evaluation_summary, format_evaluation, learning_curve, plot_learning_curve,
+)
+from bipace_trainer.warm_start import WarmStartArguments, apply_warm_start, check_warm_start  # noqa: E402
 
-# What `python train.py` without --config runs (flags still apply on top): a few minutes on a 2-core CPU. TextCraft
-# prompts are long (~450 tokens of crafting commands), so the CPU budget is one task × 2
-# rollouts × 3 turns per step; the recipes under recipes/ hold the papers' sizes.
+# The main job's warm start: a LoRA adapter that bench/warm_start_adapter.py rebuilds bit for bit
+# from the embedded model (`--warm_start_steps N` rebuilds one in the run instead).
+SHIPPED_WARM_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_starts", "smollm2-135m-textcraft")
+
+# What `python train.py` without --config runs (flags still apply on top): about 10 minutes on a 2-core CPU.
+# TextCraft prompts are long (~450 tokens of crafting commands), so the CPU budget is one goal ×
+# 4 rollouts × up to 8 turns per step; the recipes under recipes/ hold the papers' sizes.
 MAIN_JOB_DEFAULTS = dict(
     output_dir="outputs/smollm2-textcraft-bipace_q",
     use_peft=True,
     lora_r=16,
     lora_alpha=32,
     lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-    learning_rate=5e-5,
-    max_steps=2,
+    warm_start_from=SHIPPED_WARM_START,
+    learning_rate=1e-4,
+    max_steps=3,
     tasks_per_iteration=1,
-    num_generations=2,
-    per_device_train_batch_size=2,
-    max_turns=3,
+    num_generations=4,
+    per_device_train_batch_size=4,
+    max_turns=8,
     history_length=1,
     max_completion_length=40,
-    eval_tasks=4,
+    eval_tasks=8,
     logging_steps=1,
     save_strategy="no",
     report_to="none",
@@ -76,8 +88,8 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class ScriptArguments:
-    """Arguments of this script that are not training or model settings."""
+class ScriptArguments(WarmStartArguments):
+    """Arguments of this script that are not training or model settings (the warm start's: `WarmStartArguments`)."""
 
     summary_file: str | None = field(
         default=None, metadata={"help": "Write the before/after evaluation summary as JSON to this path."}
@@ -176,6 +188,14 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     check_cluster_layer(model_name, training_args)
     check_trackers(training_args)
     quantization = quantization_kwargs(model_args)
+    if script_args.warm_start_from == SHIPPED_WARM_START and model_args.model_name_or_path not in (None, "", "embedded"):
+        print(f"The shipped warm start is the embedded model's: not loaded for {model_args.model_name_or_path} "
+              "(build one with --warm_start_steps N).")
+        script_args.warm_start_from = None
+    try:
+        check_warm_start(script_args, training_args, model_args.use_peft)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     remote = training_args.trust_remote_code
     tokenizer = load_tokenizer(model_name, revision=model_args.model_revision, trust_remote_code=remote)
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
@@ -187,9 +207,10 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         attn_implementation=model_args.attn_implementation,
         **quantization,
     )
-    trainer = BiPACETrainer(
-        model=model, args=training_args, processing_class=tokenizer, peft_config=get_peft_config(model_args)
+    model, peft_config, warm_start = apply_warm_start(
+        model, tokenizer, script_args, training_args, get_peft_config(model_args)
     )
+    trainer = BiPACETrainer(model=model, args=training_args, processing_class=tokenizer, peft_config=peft_config)
     trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -211,7 +232,17 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         "per_type_after": evals.get("final", {}).get("per_type", {}),
         "output_dir": training_args.output_dir,
         "stopped": trainer.interrupted,
+        "warm_start": warm_start,
+        "before": evaluation_summary(evals.get("before")),
+        "after": evaluation_summary(evals.get("final")),
+        "curve": learning_curve(trainer.state.log_history),
+        "seconds": {"wall": time.time() - psutil.Process().create_time(), "cpu": time.process_time()},
     }
+    summary["plot"] = None
+    if trainer.accelerator.is_main_process and summary["curve"]:
+        title = f"{summary['model']} on {summary['env']}, {summary['preset']}"
+        plot = plot_learning_curve(summary["curve"], Path(training_args.output_dir) / CURVE_FILE, trainer.eval_history, title)
+        summary["plot"] = str(plot)
     if trainer.accelerator.is_main_process and trainer.interrupted:
         print(
             f"\n=== stopped by SIGTERM at step {summary['steps']} ===\nNothing was saved as the final model or "
@@ -219,12 +250,23 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
             f"exit code {EXIT_STOPPED}."
         )
     if trainer.accelerator.is_main_process:
-        before, after = summary["success_before"], summary["success_after"]
         print("\n=== summary ===")
         print(f"{summary['model']} on {summary['env']} with {summary['preset']}, {summary['steps']} steps")
-        if before is not None:
-            print(f"success before training: {before:.3f}")
-        print(f"success after training:  {after:.3f}" if after is not None else "no final evaluation")
+        if warm_start and "steps" in warm_start:
+            print(f"warm start: {warm_start['steps']} SFT steps on {warm_start['rows']} expert steps "
+                  f"({warm_start['seconds']:.0f} s), adapter {warm_start['adapter']}")
+        elif warm_start:
+            print(f"warm start: adapter {warm_start['adapter']}")
+        print(format_evaluation("success before RL (held-out)", summary["before"]))
+        print(format_evaluation("success after RL (held-out) ", summary["after"]))
+        curve = summary["curve"]
+        if curve:
+            signal = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
+            first, last = curve[0], curve[-1]
+            print(f"RL steps with non-zero advantages: {signal} of {len(curve)}; training-batch success "
+                  f"{first['batch_success']:.2f} at step {first['step']} -> {last['batch_success']:.2f} at step {last['step']}")
+        print(f"learning curve: {summary['plot']}" if summary["plot"] else "learning curve: no RL step logged")
+        print(f"time: {summary['seconds']['wall']:.0f} s wall, {summary['seconds']['cpu']:.0f} s CPU (this process)")
         print(f"adapter and eval results: {training_args.output_dir}")
         if script_args.summary_file:
             with open(script_args.summary_file, "w") as f:

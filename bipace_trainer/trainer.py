@@ -717,6 +717,7 @@ class BiPACETrainer(GRPOTrainer):
             self.model.train(was_training)
         records = [
             {"task_id": e.task_id, "won": e.won, "length": e.length, "failed": e.failed, **e.attributes}
+            | {"invalid_steps": e.invalid_steps}
             | ({"score": e.score or 0.0} if getattr(self.env_class, "reports_score", False) else {})
             for e in rollout.episodes[: len(shard)]
         ]
@@ -832,6 +833,9 @@ def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) 
         "env_failures": sum(r["failed"] for r in records),
         "num_tasks": len(records),
     }
+    turns = sum(r["length"] for r in records)
+    if turns and all("invalid_steps" in r for r in records):  # replies that parsed to an action
+        result["valid_action_rate"] = 1.0 - sum(r["invalid_steps"] for r in records) / turns
     if records and "score" in records[0]:  # envs with a graded outcome (WebShop) report its mean too
         result["score"] = sum(r["score"] for r in records) / n
     if report_key:
