@@ -101,3 +101,25 @@ def grouping_quality(cell: Sequence[int], state: Sequence[int], group: Sequence[
         "cells": len(cells),
         "steps": len(cell),
     }
+
+
+def distance_separation(hidden: np.ndarray, state: Sequence[int], group: Sequence[int]) -> dict[str, float]:
+    """How well cosine distance between hidden states separates same-state from different-state
+    pairs (within task groups), whatever ε: the medians of both, and the AUC, the probability
+    that a same-state pair is closer than a different-state pair (ties ½; 0.5 = no signal).
+    """
+    x = np.asarray(hidden, np.float64)
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
+    state, group = np.asarray(state, np.int64), np.asarray(group, np.int64)
+    same, different = [], []
+    for members in _members(group):
+        d = 1.0 - x[members] @ x[members].T
+        upper = np.triu(np.ones_like(d, dtype=bool), 1)
+        equal = state[members][:, None] == state[members][None, :]
+        same.append(d[upper & equal])
+        different.append(d[upper & ~equal])
+    same, different = np.concatenate(same), np.concatenate(different)
+    if not len(same) or not len(different):
+        return {"auc": math.nan, "same_median": math.nan, "different_median": math.nan}
+    auc = stats.mannwhitneyu(different, same).statistic / (len(same) * len(different))
+    return {"auc": float(auc), "same_median": float(np.median(same)), "different_median": float(np.median(different))}

@@ -29,7 +29,8 @@ Cost is dominated by the hidden states (one forward pass per distinct prompt, ~3
 ~500-token prompt on one busy core; passes stop at the deepest layer used) and ALFWorld's
 engine and planner. Hidden states are computed only for the (seed, p) batches a size lists
 in `hidden` (pretrained) and `control` (random init): scale with --seeds, --tasks and those
-lists. Hidden states are cached by prompt under --work-dir, so a rerun only computes new ones.
+lists. Hidden states are cached by prompt, and each batch's episodes by (env, tasks, seed, p), under
+--work-dir: a rerun only computes what is new (delete the work dir to replay).
 
 Writes <out>/oracle_study.json (rewritten after every batch), <out>/oracle_accuracy.png and
 <out>/oracle_grouping.png, and prints the markdown tables of docs/RESULTS.md.
@@ -41,7 +42,10 @@ import argparse
 import contextlib
 import hashlib
 import math
+import os
+import pickle
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,7 +54,7 @@ from typing import Any
 import common
 import numpy as np
 import torch
-from oracle_metrics import cell_means, correlations, grouping_quality, pair_sign_agreement, value_error
+from oracle_metrics import cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement, value_error
 from oracle_truth import TRUTH, TruthBatch, truth_rollouts
 
 from bipace_trainer.advantages import (
@@ -98,7 +102,14 @@ class Size:
 SIZES = {
     "full": Size(
         envs={
-            "textcraft": EnvSize(tasks=2, max_turns=30, hidden=((0, 0.7),), control=((0, 0.7),)),
+            "textcraft": EnvSize(
+                tasks=2,
+                max_turns=30,
+                expert_probs=(0.2, 0.5, 0.7, 0.9),
+                seeds=(0, 1, 2, 3, 4),
+                hidden=((0, 0.7),),
+                control=((0, 0.7),),
+            ),
             "alfworld": EnvSize(
                 tasks=2,
                 max_turns=50,
@@ -318,6 +329,7 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
             eps = calibrate_eps(h, layout, 0.2, 0.3)  # the trainer's defaults for cluster_eps="auto"
             entry = {"calibrated_eps": eps, "calibrated": _quality(h, layout, eps, state_ids, group)}
             entry["sweep"] = {str(e): _quality(h, layout, e, state_ids, group) for e in EPS_SWEEP}
+            entry["separation"] = distance_separation(h.numpy(), state_ids, group)
             out["grouping"][f"hidden/{model}/{layer}"] = entry
     return out
 
@@ -362,18 +374,24 @@ def run(size: Size, out: Path, work_dir: Path, only: list[str] | None) -> dict[s
         for seed in plan.seeds:
             for p in plan.expert_probs:
                 start = time.perf_counter()
-                batch = truth_rollouts(
-                    env,
-                    ids,
-                    group_size=plan.group_size,
-                    expert_prob=p,
-                    max_turns=plan.max_turns,
-                    seed=seed,
-                    gamma=GAMMA,
-                    env_kwargs=plan.env_kwargs,
-                    truth=truth,
-                )
-                rollout_seconds = time.perf_counter() - start
+                saved = work_dir / f"batch_{env}_{'-'.join(map(str, ids))}_g{plan.group_size}_t{plan.max_turns}_s{seed}_p{p}.pkl"
+                if saved.exists():  # episodes are deterministic given the seed: replaying them gives the same batch
+                    batch = pickle.loads(saved.read_bytes())
+                else:
+                    batch = truth_rollouts(
+                        env,
+                        ids,
+                        group_size=plan.group_size,
+                        expert_prob=p,
+                        max_turns=plan.max_turns,
+                        seed=seed,
+                        gamma=GAMMA,
+                        env_kwargs=plan.env_kwargs,
+                        truth=truth,
+                    )
+                    batch.seconds["rollout"] = time.perf_counter() - start
+                    saved.write_bytes(pickle.dumps(batch))
+                rollout_seconds = batch.seconds["rollout"]
                 hidden, hidden_seconds = {}, {}
                 prompts = [t.messages for t in batch.truth]
                 for model, wanted in (("pretrained", plan.hidden), ("random_init", plan.control)):
@@ -398,7 +416,6 @@ def run(size: Size, out: Path, work_dir: Path, only: list[str] | None) -> dict[s
                     "oracle": oracle_checks(batch),
                     **metrics,
                     "seconds": {
-                        "rollout": rollout_seconds,
                         **batch.seconds,
                         "hidden": hidden_seconds,
                         "analysis": time.perf_counter() - start,
@@ -517,21 +534,21 @@ def tables(result: dict[str, Any]) -> str:
                 f"| {b['seconds']['rollout']:.0f} | {hid} |"
             )
         lines.append(f"\n**{env}: grouping quality against the true state** (batches with hidden states)\n")
-        lines.append("| batch | partition | ε | singleton rate | purity | split rate |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| batch | partition | ε | singleton rate | purity | split rate | distance AUC (same < different state) |")
+        lines.append("|---|---|---|---|---|---|---|")
         for b in (b for b in result["batches"] if b["env"] == env and any(k.startswith("hidden/") for k in b["grouping"])):
             name = f"seed {b['seed']}, p {b['expert_prob']}"
             for partition in ("true", "hash"):
                 g = b["grouping"][partition]
                 lines.append(
-                    f"| {name} | {partition} | – | {g['singleton_rate']:.3f} | {g['purity']:.3f} | {g['split_rate']:.3f} |"
+                    f"| {name} | {partition} | – | {g['singleton_rate']:.3f} | {g['purity']:.3f} | {g['split_rate']:.3f} | – |"
                 )
             for key, g in b["grouping"].items():
                 if key.startswith("hidden/"):
                     q = g["calibrated"]
                     lines.append(
                         f"| {name} | {key} | {g['calibrated_eps']:.4f} | {q['singleton_rate']:.3f} "
-                        f"| {q['purity']:.3f} | {q['split_rate']:.3f} |"
+                        f"| {q['purity']:.3f} | {q['split_rate']:.3f} | {g.get('separation', {}).get('auc', math.nan):.3f} |"
                     )
     paper = PAPER_SINGLETONS
     lines.append(
@@ -600,6 +617,10 @@ def plots(result: dict[str, Any], out: Path, suffix: str = "") -> None:
 
 
 def main() -> None:
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # TextCraft's task text (the order of its crafting commands) follows the process's string
+        # hash seed, so prompts, episodes and hidden states would change from run to run.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--env", nargs="*", help="only these envs (default: all of the size)")
@@ -621,7 +642,7 @@ def main() -> None:
         }
         plots(result, args.report[0].parent)
     else:
-        torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         result = run(SIZES[args.size], args.out, args.work_dir, args.env)
         plots(result, args.out, f"_{'_'.join(args.env)}" if args.env else "")
     print(tables(result))

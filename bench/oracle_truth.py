@@ -92,7 +92,7 @@ class _TextCraftTruth:
 
     def random_action(self, env, result: StepResult, rng: random.Random) -> str:
         """One of the task's crafting commands, a `get` of an item they name (count 1-4), or `inventory`."""
-        commands = [line for line in env.task.splitlines() if self._COMMAND.match(line)]
+        commands = sorted(line for line in env.task.splitlines() if self._COMMAND.match(line))
         items = sorted({name for line in commands for _, name in self._INGREDIENT.findall(line.partition(" using ")[2])})
         choices = commands + [f"get {{}} {item}" for item in items] + ["inventory"]
         choice = rng.choice(choices)

@@ -97,6 +97,17 @@ def test_grouping_quality_hand_case():
     assert q["singleton_rate"] == 1.0 and math.isnan(q["purity"]) and math.isnan(q["split_rate"])
 
 
+def test_distance_separation_hand_case():
+    # states 0, 0, 1 in one group: the same-state pair is at distance 0, the others at 1 and ~0.29
+    hidden = [[1.0, 0.0], [2.0, 0.0], [1.0, 1.0]]
+    sep = oracle_metrics.distance_separation(hidden, [0, 0, 1], [0, 0, 0])
+    assert sep["auc"] == 1.0 and sep["same_median"] == pytest.approx(0.0)
+    assert sep["different_median"] == pytest.approx(1 - 1 / math.sqrt(2))
+    # same-state pair (0, 2) at 0.29; different pairs at 0 (closer) and 0.29 (a tie, 1/2)
+    swapped = oracle_metrics.distance_separation(hidden, [0, 1, 0], [0, 0, 0])
+    assert swapped["auc"] == pytest.approx(0.25)
+
+
 def test_pair_sign_agreement_hand_case():
     # state 0 holds steps with A* = [0, -1, 0]; state 1 one step (no pair)
     a_star = [0.0, -1.0, 0.0, 0.0]
@@ -158,6 +169,7 @@ def test_oracle_study_ci_size(tmp_path):
         assert 0.0 <= entry["calibrated_eps"] <= 0.3 and set(entry["sweep"]) == {
             str(e) for e in (0.0, 0.001, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
         }
+        assert 0.0 <= entry["separation"]["auc"] <= 1.0
         rates = [entry["sweep"][e]["singleton_rate"] for e in entry["sweep"]]
         assert rates[0] >= rates[-1]  # coarser with ε
     summary = result["summary"]
