@@ -125,3 +125,18 @@ def test_a_recipe_run_reports_to_trackio_with_the_completions_table(warm_policy_
     table = next(entry["completions"] for entry in logged if "completions" in entry)  # TRL's table, one row per step
     rows = table["_value"]  # one row per env step
     assert rows and {"task", "turn", "action", "valid", "return", "cluster", "branch", "advantage"} <= set(rows[0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (pip install -e .[tracking])")
+def test_train_py_finishes_the_wandb_run(warm_policy_dir, tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: the run is written to WANDB_DIR
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path, recipe = shrunk_recipe(tmp_path, warm_policy_dir, max_steps=1, save_strategy="no", report_to="wandb",
+                                 evaluate_before_training=False)
+    train.main(*train.parse_args(["--config", str(path)]))
+    assert wandb.run is None  # transformers leaves it open (for the model card); train.py finishes it
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))  # and the run was recorded
