@@ -668,7 +668,8 @@ class BiPACETrainer(GRPOTrainer):
             )
             if step is not None:
                 split = "train" if train else "eval"
-                records = trajectories.episode_records(rollout, rows, step=step, split=split, tag=tag)
+                rank = self.accelerator.process_index
+                records = trajectories.episode_records(rollout, rows, rank=rank, step=step, split=split, tag=tag)
         except Exception as err:  # noqa: BLE001 - a log must never stop training
             trajectories.logger.warning(f"Trajectory rows at step {step} failed ({type(err).__name__}: {err}); skipped.")
             rows, records = [], []

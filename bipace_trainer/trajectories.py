@@ -111,12 +111,13 @@ def step_rows(
     return rows
 
 
-def episode_records(rollout: Rollout, rows: list[dict[str, Any]], **context: Any) -> list[dict[str, Any]]:
+def episode_records(
+    rollout: Rollout, rows: list[dict[str, Any]], *, rank: int = 0, **context: Any
+) -> list[dict[str, Any]]:
     """One record per episode: `context` (e.g. step, split), the outcome, and its turns in order."""
     turns: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         turns[row["episode"]].append({key: row[key] for key in TURN_FIELDS})
-    rank = rows[0]["rank"] if rows else 0
     records = []
     for e in rollout.episodes:
         records.append(
