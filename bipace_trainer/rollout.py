@@ -192,6 +192,7 @@ def run_rollouts(
     *,
     sync: LocalSync | None = None,
     traj_offset: int = 0,
+    on_turn: Callable[[int, int], None] | None = None,
 ) -> Rollout:
     """Play `tasks[i]` in env i of `envs` (a `VectorEnv` with len(tasks) envs) in lockstep.
 
@@ -202,6 +203,7 @@ def run_rollouts(
         settings: turn budget, history window, parsing options.
         sync: cross-rank reductions (`LocalSync` for one process).
         traj_offset: first trajectory id (keeps ids unique across calls or ranks).
+        on_turn: called after every turn with (turn, envs still playing), e.g. to show progress.
     """
     sync = sync or LocalSync()
     seconds = {"generate": 0.0, "env": 0.0, "hidden": 0.0}
@@ -304,6 +306,8 @@ def run_rollouts(
             history[i].append((current[i].observation, actions[i]))
             current[i] = result
             done[i] = result.done
+        if on_turn is not None:
+            on_turn(turn, done.count(False))
     for i in range(n):
         if not done[i]:
             episodes[i].truncated = True

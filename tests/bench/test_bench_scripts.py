@@ -47,7 +47,7 @@ def test_learning_study(tmp_path):
     for row in env["presets"].values():
         final, peak = row["final"]["valid"], row["peak"]
         assert final["n"] == 1 and is_rate(final["mean"]) and peak["mean"] >= final["mean"]
-        assert set(row["per_type_final"]) <= {"1", "2", "3"} and row["per_type_final"]
+        assert set(row["per_type_final"]) <= {"distance=1", "distance=2", "distance=3"} and row["per_type_final"]
         assert row["per_type_final_by_split"] == {"valid": row["per_type_final"]}
         assert set(row["steps_to_gain"]) == {"+0.05", "+0.1", "+0.2"}
         for key in ("train_success", "hash_singleton_rate", "hidden_singleton_rate", "nonzero_advantage"):
