@@ -212,6 +212,11 @@ class BiPACEConfig(GRPOConfig):
         try:
             super().__post_init__()
         except ValueError as err:
+            if "bf16/gpu" in str(err):  # transformers' message names neither the field nor the fix
+                raise ValueError(
+                    "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible: run on a GPU, "
+                    "or add --bf16 false to train in float32 on this CPU."
+                ) from None
             if "divisible" not in str(err):
                 raise
             raise ValueError(

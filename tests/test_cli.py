@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -69,6 +70,8 @@ def test_a_bad_value_is_one_line_and_exit_2_without_a_traceback():
         (["--env_kwargs", "{size: 4}", "--env", "tiny"], "env_kwargs", "JSON"),
         (["--preset", "grpo", "--step_baseline", "mean"], "baseline='mean'", "partition='hash' or 'hidden'"),
         (["--max_turns", "0"], "max_turns=0", ">= 1"),
+        pytest.param(["--bf16", "true"], "bf16=True", "--bf16 false",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 needs no fix on a GPU")),
     ],
 )
 def test_every_config_error_exits_2_with_one_line_naming_field_and_fix(argv, field, fix, capsys):
