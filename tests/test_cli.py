@@ -26,6 +26,7 @@ def run_train_py(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # launches a process or trains (pyproject's marker)
 def test_help_shows_the_projects_options_first_with_the_presets_and_the_embedded_model():
     proc = run_train_py("--help")
     assert proc.returncode == 0, proc.stderr
@@ -52,6 +53,7 @@ def test_help_shows_the_projects_options_first_with_the_presets_and_the_embedded
     assert len(text.splitlines()[0]) < 100, "a one-line usage, not every flag"
 
 
+@pytest.mark.slow  # launches a process or trains (pyproject's marker)
 def test_a_bad_value_is_one_line_and_exit_2_without_a_traceback():
     proc = run_train_py("--cluster_eps", "-1")
     assert proc.returncode == 2
@@ -84,6 +86,7 @@ def test_every_config_error_exits_2_with_one_line_naming_field_and_fix(argv, fie
     assert field in err and fix in err, err
 
 
+@pytest.mark.slow  # launches a process or trains (pyproject's marker)
 def test_a_setting_checked_against_the_model_exits_2_before_loading_weights(tmp_path):
     """cluster_layer is checked from the model's config (no weights here at all): one line, exit 2."""
     from tests.trainer.tiny_setup import make_model, make_tokenizer

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.trainer.tiny_setup import make_model, make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ def readme_example() -> str:
     return re.search(r"```python\n(.*?)\n```", section, re.S).group(1)
 
 
+@pytest.mark.slow  # launches a process or trains (pyproject's marker)
 def test_the_readme_api_example_runs_as_written(tmp_path, monkeypatch, capsys):
     code = readme_example()
     assert len(code.splitlines()) <= 18, "a short example"

@@ -22,6 +22,7 @@ def tiny_policy():
     return make_model(tokenizer), tokenizer
 
 
+@pytest.mark.slow  # launches a process or trains (pyproject's marker)
 def test_every_run_ends_with_the_projects_card_and_save_model_keeps_it(tiny_policy, tmp_path, capsys):
     model, tokenizer = tiny_policy
     out = tmp_path / "run"
