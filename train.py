@@ -18,6 +18,7 @@ MAIN_JOB_DEFAULTS, the CPU demo's settings, apply only to the main job (no `--co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -341,7 +342,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
 
 
 if __name__ == "__main__":
-    script_args, training_args, model_args = parse_args()
+    # with --print_config stdout carries the YAML alone: the env checks' notes go to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if "--print_config" in sys.argv else contextlib.nullcontext()
+    with quiet:
+        script_args, training_args, model_args = parse_args()
     if script_args.print_config:
         print(resolved_config(script_args, training_args, model_args))
         sys.exit(0)

@@ -130,7 +130,8 @@ def test_print_config_prints_the_resolved_recipe_without_loading_a_model():
     cmd = [sys.executable, "train.py", "--config", str(recipe), "--print_config", "--use_cpu", "true"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    text = done.stdout[done.stdout.index("# script") :]
+    text = done.stdout
+    assert text.startswith("# script")  # stdout is the YAML alone (env notes go to stderr), ready for > file.yaml
     printed = yaml.safe_load(text)  # flat: the keys a recipe or a flag sets
     parsed = parse(["--config", str(recipe), "--use_cpu", "true"])
     for key in ("model_name_or_path", "use_peft", "lora_r", "save_strategy", "save_steps", "report_to", "learning_rate",
