@@ -24,8 +24,9 @@ Part 4, for ALFWorld, once with TextWorld's own text derivation (`memo=False`, b
 and once with `_MemoGrammar` (after), in one run: 1, 8 and 32 envs (each on its own game)
 stepped in turn in one process, as a worker steps them, next to the same envs each stepped
 alone (all its steps, then the next env's): a game's step cost varies 3x with its room, so
-only the same games compare (Part 1's single env plays the first game, a light one). Best of
-three alternating rounds, since other jobs make these timings noisy. Then `VectorEnv` over
+only the same games compare (Part 1's single env plays the first game, a light one). Steps per
+CPU second of this process, best of three alternating rounds, since other jobs make wall-clock
+timings noisy. Then `VectorEnv` over
 the 32 envs: serial, the process backend on 1, 2, ... workers (`--alfworld-workers`) and,
 after only, threads. ALFWorld's Part 2 row is this part's "after" run, its "single" the
 32 envs stepped alone.
@@ -158,24 +159,25 @@ def bench_vector(name: str, backend: str, num_envs: int, batches: int, step_time
 
 
 def _per_worker(engines: list, steps: int, rounds: int) -> tuple[float, float]:
-    """(steps/s stepping each engine alone in turn, steps/s interleaving them), best of `rounds`.
+    """(steps per CPU second stepping each engine alone in turn, the same interleaving them), best of `rounds`.
 
     Alone: `steps` steps of engine 0, then of engine 1, ...; interleaved: one step of each in
     turn, `steps` times, as a worker steps its envs. Same engines, same games, same step count;
-    the rounds alternate the two orders so that a load spike from other jobs hits both.
+    the rounds alternate the two orders. CPU time of this process, not wall time: other jobs on
+    the machine would otherwise decide the ratio.
     """
     alone, together = float("inf"), float("inf")
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = time.process_time()
         for env in engines:
             for _ in range(steps):
                 env.step(env.invalid_action)
-        alone = min(alone, time.perf_counter() - start)
-        start = time.perf_counter()
+        alone = min(alone, time.process_time() - start)
+        start = time.process_time()
         for _ in range(steps):
             for env in engines:
                 env.step(env.invalid_action)
-        together = min(together, time.perf_counter() - start)
+        together = min(together, time.process_time() - start)
     count = len(engines) * steps
     return count / alone, count / together
 
@@ -212,7 +214,7 @@ def bench_alfworld_workers(
             for n in sizes:
                 alone, together = _per_worker(engines[:n], steps[memo], rounds=3)
                 row["per_worker"][n] = {"steps_per_s": together, "alone_steps_per_s": alone, "ratio": together / alone}
-                print(f"alfworld {label} {n:>3} envs in one worker: {together:.1f} steps/s, alone {alone:.1f}", flush=True)
+                print(f"alfworld {label} {n:>3} envs in one worker: {together:.1f} steps/CPU-s, alone {alone:.1f}", flush=True)
         finally:
             for env in engines:
                 env.close()
@@ -342,7 +344,7 @@ def _print_tables(report: dict[str, Any]) -> None:
     part4 = report["alfworld_workers"]
     if part4:
         games = part4["games"]
-        print("\nALFWorld: N envs stepped in turn in one process vs each stepped alone (same envs and games), steps/s")
+        print("\nALFWorld: N envs stepped in turn in one process vs each alone (same envs and games), steps per CPU second")
         print(f"{'text':>15} {'envs':>5} {'alone':>8} {'in turn':>8} {'ratio':>6}")
         for label in ("textworld", "memo"):
             for n, row in part4[label]["per_worker"].items():
