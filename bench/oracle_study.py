@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import math
 import os
 import pickle
@@ -75,7 +76,7 @@ GAMMA = 0.95  # SPEC §2 and every recipe's step_gamma
 PAPER_SINGLETONS = {"hash": 0.273, "hidden": 0.180}  # BiPACE paper, ALFWorld, Qwen2.5-7B
 BASELINES = ("mean", "pace_q", "pace_diff", "gae")
 PARTITIONS = ("hash", "hidden", "true")
-EPS_SWEEP = (0.0, 0.001, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
+EPS_SWEEP = (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,10 @@ class HiddenStates:
         self.model, self.tokenizer, self.layers, self.batch_size = model.eval(), tokenizer, layers, batch_size
         self.cache_path = cache_path
         self.cache: dict[str, torch.Tensor] = torch.load(cache_path) if cache_path and cache_path.exists() else {}
+        # seconds each cached state cost when it was computed (its forward batch's time / its size), so a
+        # rerun from the cache still reports what the hidden states of a batch cost
+        self.cost_path = cache_path.with_suffix(".seconds.json") if cache_path else None
+        self.cost: dict[str, float] = json.loads(self.cost_path.read_text()) if self.cost_path and self.cost_path.exists() else {}
         count = num_hidden_layers(model)
         self.deepest = max(layer % (count + 1) for layer in layers)
         self.stop_early = self.deepest < count  # past the last decoder layer only the final norm is left
@@ -182,18 +187,32 @@ class HiddenStates:
         start = time.perf_counter()
         for b in range(0, len(todo), self.batch_size):
             chunk = todo[b : b + self.batch_size]
+            chunk_start = time.perf_counter()
             states = self._forward([row for _, row in chunk])
             for j, (key, _) in enumerate(chunk):
                 self.cache[key] = torch.stack([states[layer][j] for layer in self.layers])
+                self.cost[key] = (time.perf_counter() - chunk_start) / len(chunk)
             if self.cache_path and (b // self.batch_size) % 8 == 7:  # a killed run keeps what it computed
-                torch.save(self.cache, self.cache_path)
+                self._save()
                 print(f"  hidden states: {b + len(chunk)}/{len(todo)} prompts, {time.perf_counter() - start:.0f} s", flush=True)
         self.seconds += time.perf_counter() - start
         self.computed += len(todo)
         if todo and self.cache_path:
-            torch.save(self.cache, self.cache_path)
+            self._save()
+        distinct = dict(zip(keys, ids))
+        self.last = {
+            "distinct_prompts": len(distinct),
+            "prompts_computed": len(todo),
+            "seconds_now": time.perf_counter() - start,
+            "seconds_to_compute": sum(self.cost.get(key, math.nan) for key in distinct),
+            "mean_prompt_tokens": statistics.fmean(map(len, distinct.values())),
+        }
         stacked = torch.stack([self.cache[key] for key in keys])  # (N, layers, d)
         return {layer: stacked[:, i] for i, layer in enumerate(self.layers)}
+
+    def _save(self) -> None:
+        torch.save(self.cache, self.cache_path)
+        self.cost_path.write_text(json.dumps(self.cost))
 
     @torch.no_grad()
     def _forward(self, rows: list[list[int]]) -> dict[int, torch.Tensor]:
@@ -396,12 +415,8 @@ def run(size: Size, out: Path, work_dir: Path, only: list[str] | None) -> dict[s
                 prompts = [t.messages for t in batch.truth]
                 for model, wanted in (("pretrained", plan.hidden), ("random_init", plan.control)):
                     if (seed, p) in wanted:
-                        before, computed = capture[model].seconds, capture[model].computed
                         hidden[model] = capture[model](prompts)
-                        hidden_seconds[model] = {
-                            "seconds": capture[model].seconds - before,
-                            "prompts_computed": capture[model].computed - computed,
-                        }
+                        hidden_seconds[model] = capture[model].last
                 start = time.perf_counter()
                 metrics = evaluate_batch(batch, hidden, size)
                 episodes = batch.rollout.episodes
@@ -427,7 +442,9 @@ def run(size: Size, out: Path, work_dir: Path, only: list[str] | None) -> dict[s
                 print(
                     f"{env} seed {seed} p {p}: {entry['oracle']['steps']} steps, success {entry['success_rate']:.2f}, "
                     f"rollout {rollout_seconds:.0f} s, hidden "
-                    + ", ".join(f"{m} {v['prompts_computed']} prompts {v['seconds']:.0f} s" for m, v in hidden_seconds.items()),
+                    + ", ".join(
+                        f"{m} {v['prompts_computed']} prompts {v['seconds_now']:.0f} s" for m, v in hidden_seconds.items()
+                    ),
                     flush=True,
                 )
     result["summary"] = summarise(result["batches"])
@@ -522,12 +539,18 @@ def tables(result: dict[str, Any]) -> str:
         lines.append(f"\n**{env}: the batches** (oracle checks per batch)\n")
         lines.append(
             "| seed | p | steps | success | expert steps with A\\*=0 | random steps with A\\*<0 | A\\*>0 "
-            "| states with two d | rollout s | hidden s (prompts) |"
+            "| states with two d | rollout s | hidden states s (distinct prompts × mean length) |"
         )
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for b in (b for b in result["batches"] if b["env"] == env):
             o = b["oracle"]
-            hid = ", ".join(f"{m} {v['seconds']:.0f} ({v['prompts_computed']})" for m, v in b["seconds"]["hidden"].items()) or "–"
+            hid = (
+                ", ".join(
+                    f"{m} {v['seconds_to_compute']:.0f} ({v['distinct_prompts']} × {v['mean_prompt_tokens']:.0f} tokens)"
+                    for m, v in b["seconds"]["hidden"].items()
+                )
+                or "–"
+            )
             lines.append(
                 f"| {b['seed']} | {b['expert_prob']} | {o['steps']} | {b['success_rate']:.2f} | {o['expert_a_star_zero']:.3f} "
                 f"| {o['random_a_star_negative']:.3f} | {o['a_star_positive']} | {o['states_with_two_distances']} "
@@ -547,7 +570,7 @@ def tables(result: dict[str, Any]) -> str:
                 if key.startswith("hidden/"):
                     q = g["calibrated"]
                     lines.append(
-                        f"| {name} | {key} | {g['calibrated_eps']:.4f} | {q['singleton_rate']:.3f} "
+                        f"| {name} | {key} | {g['calibrated_eps']:.2g} | {q['singleton_rate']:.3f} "
                         f"| {q['purity']:.3f} | {q['split_rate']:.3f} | {g.get('separation', {}).get('auc', math.nan):.3f} |"
                     )
     paper = PAPER_SINGLETONS
@@ -592,25 +615,34 @@ def plots(result: dict[str, Any], out: Path, suffix: str = "") -> None:
     batches = [b for b in result["batches"] if any(k.startswith("hidden/") for k in b["grouping"])]
     if not batches:
         return
-    fig, axes = plt.subplots(len(batches), 3, figsize=(15, 3.6 * len(batches)), squeeze=False)
-    for row, b in zip(axes, batches):
-        for ax, metric in zip(row, ("singleton_rate", "purity", "split_rate")):
-            for key, g in b["grouping"].items():
-                if not key.startswith("hidden/"):
-                    continue
-                _, model, layer = key.split("/")
-                eps = [float(e) for e in g["sweep"]]
-                values = [g["sweep"][e][metric] for e in g["sweep"]]
-                ax.plot(eps, values, marker="o", ms=3, ls="-" if model == "pretrained" else "--", label=f"{model} {layer}")
-            ax.axhline(b["grouping"]["hash"][metric], color="black", lw=1.5, label="hash")
-            if metric == "singleton_rate":
-                ax.axhline(b["grouping"]["true"][metric], color="green", lw=1.5, ls=":", label="true state")
-                ax.axhline(PAPER_SINGLETONS["hash"], color="grey", lw=0.8, ls="-.", label="paper hash / hidden")
-                ax.axhline(PAPER_SINGLETONS["hidden"], color="grey", lw=0.8, ls="-.")
-            ax.set_xscale("symlog", linthresh=1e-3)
-            ax.set_xlabel("ε (cosine distance)")
-            ax.set_title(f"{b['env']} seed {b['seed']} p {b['expert_prob']}: {metric}")
-        row[0].legend(fontsize=6, ncol=2)
+    fig, axes = plt.subplots(len(batches), 2, figsize=(13, 4.2 * len(batches)), squeeze=False)
+    for (by_eps, tradeoff), b in zip(axes, batches):
+        title = f"{b['env']} seed {b['seed']} p {b['expert_prob']}"
+        for key, g in b["grouping"].items():
+            if not key.startswith("hidden/"):
+                continue
+            _, model, layer = key.split("/")
+            sweep = list(g["sweep"].values())
+            style = dict(marker="o", ms=3, ls="-" if model == "pretrained" else "--", label=f"{model} {layer}")
+            by_eps.plot([float(e) for e in g["sweep"]], [q["singleton_rate"] for q in sweep], **style)
+            tradeoff.plot([q["split_rate"] for q in sweep], [q["purity"] for q in sweep], **style)
+        exact, true = b["grouping"]["hash"], b["grouping"]["true"]
+        by_eps.axhline(exact["singleton_rate"], color="black", lw=1.5, label="hash")
+        by_eps.axhline(true["singleton_rate"], color="green", lw=1.5, ls=":", label="true state")
+        by_eps.axhline(PAPER_SINGLETONS["hash"], color="grey", lw=0.8, ls="-.", label="paper: hash 27.3%, hidden 18.0%")
+        by_eps.axhline(PAPER_SINGLETONS["hidden"], color="grey", lw=0.8, ls="-.")
+        by_eps.set_xscale("symlog", linthresh=1e-5)
+        by_eps.set_xlim(0, 0.35)
+        by_eps.set(xlabel="ε (cosine distance)", ylabel="singleton rate", title=f"{title}: singleton rate vs ε")
+        by_eps.legend(fontsize=6, ncol=2)
+        tradeoff.plot([exact["split_rate"]], [exact["purity"]], "k*", ms=14, label="hash")
+        tradeoff.plot([0.0], [1.0], "g^", ms=10, label="true state")
+        tradeoff.set(
+            xlabel="split rate (same-state pairs in different cells)",
+            ylabel="purity (same-cell pairs in one state)",
+            title=f"{title}: purity vs split over the ε sweep (ε grows leftwards)",
+        )
+        tradeoff.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / f"oracle_grouping{suffix}.png", dpi=100)
     plt.close(fig)
@@ -631,8 +663,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.report:
-        import json
-
         parts = [json.loads(path.read_text()) for path in args.report]
         batches = [b for part in parts for b in part["batches"]]
         result = {
