@@ -471,7 +471,10 @@ class BiPACETrainer(GRPOTrainer):
             self._graceful_stop.restore_handler()
         if self._train_generations and not self._healthy_generations and not self.interrupted:
             raise RuntimeError(self._every_env_failed(f"all {self._train_generations} generations of the run"))
-        self.create_model_card()  # every run leaves the project's card, pushed or not
+        try:  # every run leaves the project's card, pushed or not
+            self.create_model_card()
+        except Exception as err:  # noqa: BLE001 - a report: it must not cost the run its unsaved weights
+            logger.warning(f"The model card could not be written ({type(err).__name__}: {err}); training is complete.")
         return output
 
     def _get_train_sampler(self, dataset=None):
