@@ -96,9 +96,10 @@ class BiPACEConfig(GRPOConfig):
     tasks_per_iteration (`int`, 4): task groups per generation, over all processes; each is
         rolled out `num_generations` times (G). Sets `generation_batch_size`.
     train_split, eval_split (`str`): the env's task splits for training and evaluation.
-    train_tasks (`int`, 0): train on the first this-many tasks of `train_split` (0: all);
-        fewer tasks are each drawn more often in the same number of steps.
-    eval_tasks (`int`, 32): evaluate on the first this-many tasks of `eval_split` (0: all).
+    train_tasks (`int`, 0): train on this many tasks of `train_split`, dealt in turn over the
+        env's task types (`envs.base.stratified_subset`; 0: all); fewer tasks are each drawn
+        more often in the same number of steps.
+    eval_tasks (`int`, 32): evaluate on this many tasks of `eval_split`, stratified the same way (0: all).
     eval_rollouts_per_task (`int`, 1): evaluation rollouts of each task (more: less noise).
     eval_interval (`int`, 0): evaluate every this-many optimizer steps (0: only before and after).
     evaluate_before_training (`bool`, True): evaluate once before the first step.
@@ -176,8 +177,8 @@ class BiPACEConfig(GRPOConfig):
     )
     train_split: str = field(default="train", metadata={"help": "Env task split used for training."})
     eval_split: str = field(default="valid", metadata={"help": "Env task split used for evaluation."})
-    train_tasks: int = field(default=0, metadata={"help": "Train on the first k tasks of train_split (0: all)."})
-    eval_tasks: int = field(default=32, metadata={"help": "Number of evaluation tasks (0: the whole split)."})
+    train_tasks: int = field(default=0, metadata={"help": "Train on k tasks of train_split, stratified over task types (0: all)."})
+    eval_tasks: int = field(default=32, metadata={"help": "Number of evaluation tasks, stratified over task types (0: the whole split)."})
     eval_rollouts_per_task: int = field(default=1, metadata={"help": "Evaluation rollouts of each task."})
     eval_interval: int = field(default=0, metadata={"help": "Evaluate every k optimizer steps (0: before/after only)."})
     evaluate_before_training: bool = field(default=True, metadata={"help": "Evaluate once before training."})
