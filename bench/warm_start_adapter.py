@@ -8,8 +8,8 @@
 This script runs the very code `python train.py --warm_start_steps N` runs
 (`bipace_trainer.warm_start`: the main job's env, splits, history, turn budget and LoRA
 settings, the expert's play on the training goals, TRL's SFTTrainer) with the settings
-in WARM_START below, on one thread: a CPU run is deterministic for a fixed thread count,
-so the adapter's tensors come out identical (`--check` compares their SHA-256). It writes
+in WARM_START below, on one thread and with PYTHONHASHSEED=0: a CPU run is deterministic for
+a fixed thread count, so the adapter's tensors come out identical (`--check` compares their SHA-256). It writes
 `warm_start.json` next to the adapter: the settings, loss curve, timings and the hash.
 """
 
@@ -25,6 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# TextCraft lists a goal's crafting commands in set order, which follows Python's per-process string
+# hashing: fixed here (re-exec under PYTHONHASHSEED=0) so the demonstrations are the same text every run.
+if os.environ.get("PYTHONHASHSEED") != "0":
+    os.environ["PYTHONHASHSEED"] = "0"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 ROOT = Path(__file__).resolve().parents[1]
