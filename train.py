@@ -25,10 +25,14 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# TRL's GRPOConfig sets gradient_checkpointing, a name transformers 5 deprecates: a warning on every
+# run that no flag of ours can silence, printed above a config error's one line.
+warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
 
 import psutil  # noqa: E402
 import torch  # noqa: E402

@@ -216,7 +216,7 @@ class BiPACEConfig(GRPOConfig):
             if "bf16/gpu" in str(err):  # transformers' message names neither the field nor the fix
                 raise ValueError(
                     "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible: run on a GPU, "
-                    "or add --bf16 false to train in float32 on this CPU."
+                    "or on this CPU add --bf16 false (float32) or --use_cpu true (bf16 on the CPU)."
                 ) from None
             if "divisible" not in str(err):
                 raise
