@@ -44,3 +44,23 @@ def test_the_readme_api_example_runs_as_written(tmp_path, monkeypatch, capsys):
     card = (out / "README.md").read_text()
     assert "**textcraft**" in card and "preset **gigpo**" in card
     assert trainer._vector_envs == {}  # close_envs() stopped and dropped every env
+
+
+@pytest.mark.slow  # loads the embedded SmolLM2 (converted on first use, ~1 minute, once)
+def test_the_readme_example_builds_its_trainer_on_the_embedded_model_as_written(tmp_path, monkeypatch):
+    """The part the test above swaps out: the example up to its trainer, unchanged, with "embedded"."""
+    from bipace_trainer.models import embedded_model_path
+
+    code = readme_example()
+    setup = code.split("\ntry:\n")[0]
+    assert 'BiPACETrainer(model="embedded", args=args)' in setup
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(setup, "README.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    try:
+        assert trainer.model.config._name_or_path == str(embedded_model_path())  # no Hub id was tried
+        assert trainer.processing_class.chat_template and trainer.processing_class.padding_side == "left"
+        assert len(trainer.processing_class) == trainer.model.config.vocab_size  # SmolLM2's tokenizer, not another
+    finally:
+        trainer.close_envs()
