@@ -1,8 +1,9 @@
 """Estimator accuracy against an oracle, and grouping quality against the true state (no GPU, no training).
 
-    OMP_NUM_THREADS=1 python bench/oracle_study.py                 # full CPU size (~40 min on a loaded 2-core machine)
-    OMP_NUM_THREADS=1 python bench/oracle_study.py --size ci       # CI size (~30 s, tiny random model)
-    python bench/oracle_study.py --report docs/results/oracle/oracle_study.json   # tables from a finished run
+    OMP_NUM_THREADS=1 python bench/oracle_study.py --env textcraft   # full size, one env per process
+    OMP_NUM_THREADS=1 python bench/oracle_study.py --env alfworld    # (~40 min together on a loaded 2-core machine)
+    OMP_NUM_THREADS=1 python bench/oracle_study.py --size ci         # CI size (~40 s of CPU, tiny random model)
+    python bench/oracle_study.py --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
    TextCraft and ALFWorld (generated games), played by the trainer's `run_rollouts` with a
@@ -25,21 +26,23 @@
    control: singleton rate, purity (same-cell pairs that share the true state) and split
    rate (same-state pairs in different cells), within task groups.
 
-Cost is dominated by the hidden states (one forward pass per distinct prompt, ~3-5 s for a
-~500-token prompt on one busy core; passes stop at the deepest layer used) and ALFWorld's
-engine and planner. Hidden states are computed only for the (seed, p) batches a size lists
-in `hidden` (pretrained) and `control` (random init): scale with --seeds, --tasks and those
-lists. Hidden states are cached by prompt, and each batch's episodes by (env, tasks, seed, p), under
+Cost is dominated by the hidden states (one forward pass per distinct prompt, ~2 s of CPU for a
+~430-token prompt; passes stop at the deepest layer used) and ALFWorld's engine and planner.
+Hidden states are computed only for the (seed, p) batches a size lists in `hidden` (pretrained)
+and `control` (random init): scale with those lists, `seeds` and `tasks` in `SIZES`. Hidden
+states are cached by prompt, and each batch's episodes by (env, tasks, seed, p), under
 --work-dir: a rerun only computes what is new (delete the work dir to replay).
 
-Writes <out>/oracle_study.json (rewritten after every batch), <out>/oracle_accuracy.png and
-<out>/oracle_grouping.png, and prints the markdown tables of docs/RESULTS.md.
+Writes <out>/oracle_study.json (oracle_study_<env>.json with --env; rewritten after every batch),
+<out>/oracle_accuracy.png and <out>/oracle_grouping.png (with an _<env> suffix under --env; --report
+draws them for all the JSON it is given), and prints the markdown tables of docs/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -108,15 +111,15 @@ SIZES = {
                 max_turns=30,
                 expert_probs=(0.2, 0.5, 0.7, 0.9),
                 seeds=(0, 1, 2, 3, 4),
-                hidden=((0, 0.7),),
-                control=((0, 0.7),),
+                hidden=((0, 0.7), (1, 0.7), (2, 0.7)),
+                control=((0, 0.7), (1, 0.7), (2, 0.7)),
             ),
             "alfworld": EnvSize(
                 tasks=2,
                 max_turns=50,
                 seeds=(0, 1),
-                hidden=((0, 0.7),),
-                control=((0, 0.7),),
+                hidden=((0, 0.7), (1, 0.7)),
+                control=((0, 0.7), (1, 0.7)),
                 env_kwargs={"source": "generated"},
             ),
         }
@@ -260,17 +263,10 @@ def load_models(size: Size):
 
 
 def step_batch(batch: TruthBatch, anchor=None, hidden=None) -> StepBatch:
-    steps = batch.rollout.steps
-    return StepBatch(
-        group=[s.group for s in steps],
-        traj=[s.traj for s in steps],
-        t=[s.t for s in steps],
-        reward=[s.reward for s in steps],
-        valid=[s.valid for s in steps],
-        anchor=anchor if anchor is not None else [s.anchor for s in steps],
-        action_key=[s.action_key for s in steps],
-        hidden=hidden,
-    )
+    """The estimator's input as the trainer builds it (`Rollout.step_batch`), with other anchors
+    (the true state, for the "true" partition) and the hidden states of one layer."""
+    records = batch.rollout.step_batch()
+    return dataclasses.replace(records, anchor=records.anchor if anchor is None else anchor, hidden=hidden)
 
 
 def oracle_checks(batch: TruthBatch) -> dict[str, Any]:
@@ -527,6 +523,16 @@ def tables(result: dict[str, Any]) -> str:
                     row += [_fmt(m["spearman"]), _fmt(m["sign_agreement"])] if m else ["–", "–"]
                 label = name if kind == "estimators" else f"{name} (w_ep=0)"
                 lines.append(f"| {label} | " + " | ".join(row) + " |")
+        paired = [b for b in result["batches"] if b["env"] == env and "bipace_q" in b["estimators"]]
+        if paired:
+            names = ("gigpo", "bipace_q", "gagpo", "bigagpo", "hash/pace_q", "hidden/pace_q", "true/pace_q")
+            lines.append(f"\n**{env}: paired on the batches with hidden states** (Spearman / sign agreement)\n")
+            lines.append("| batch | " + " | ".join(names) + " |")
+            lines.append("|---|" + "---|" * len(names))
+            for b in paired:
+                row = [b["estimators"].get(n) or b["axes"][n] for n in names]
+                text = " | ".join(f"{m['spearman']:.2f} / {m['sign_agreement']:.2f}" for m in row)
+                lines.append(f"| seed {b['seed']}, p {b['expert_prob']} | {text} |")
         lines.append(f"\n**{env}: value proxy mean_C R vs V\\*** (RMSE over all steps / over steps in shared cells)\n")
         lines.append("| partition | " + " | ".join(f"p = {p}" for p in probs) + " |")
         lines.append("|---|" + "---|" * len(probs))
