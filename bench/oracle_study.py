@@ -1,14 +1,15 @@
 """Estimator accuracy against an oracle, and grouping quality against the true state (no GPU, no training).
 
     OMP_NUM_THREADS=1 python bench/oracle_study.py --env textcraft   # full size, one env per process
-    OMP_NUM_THREADS=1 python bench/oracle_study.py --env alfworld    # (~40 min together on a loaded 2-core machine)
+    OMP_NUM_THREADS=1 python bench/oracle_study.py --env alfworld    # (~45 min together on a loaded 2-core machine)
     OMP_NUM_THREADS=1 python bench/oracle_study.py --size ci         # CI size (~40 s of CPU, tiny random model)
     python bench/oracle_study.py --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
-   TextCraft and ALFWorld (generated games), played by the trainer's `run_rollouts` with a
-   scripted behaviour policy: the env's expert action with probability p, else a random
-   admissible (ALFWorld) or plausible (TextCraft) command; several p. Per step: the prompt
+   TextCraft and ALFWorld (official games when $ALFWORLD_DATA has them, else generated ones),
+   played by the trainer's `run_rollouts` with a scripted behaviour policy: the env's expert
+   action with probability p, else a random admissible (ALFWorld) or plausible (TextCraft)
+   command; several p. Per step: the prompt
    the trainer builds, the true state (TextCraft goal + inventory, ALFWorld's PDDL facts),
    the action, reward, done.
 2. Oracle values V*, Q*, A* = Q* - V* under the training discount (0.95) and turn budget
@@ -120,7 +121,7 @@ SIZES = {
                 seeds=(0, 1),
                 hidden=((0, 0.7), (1, 0.7)),
                 control=((0, 0.7), (1, 0.7)),
-                env_kwargs={"source": "generated"},
+                env_kwargs={"source": "auto"},  # official games when $ALFWORLD_DATA has them
             ),
         }
     ),
