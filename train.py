@@ -55,7 +55,7 @@ from bipace_trainer.warm_start import WarmStartArguments, apply_warm_start, chec
 # from the embedded model (`--warm_start_steps N` rebuilds one in the run instead).
 SHIPPED_WARM_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_starts", "smollm2-135m-textcraft")
 
-# What `python train.py` without --config runs (flags still apply on top): about 10 minutes on a 2-core CPU.
+# What `python train.py` without --config runs (flags still apply on top): 21 CPU minutes on one thread (README).
 # TextCraft prompts are long (~450 tokens of crafting commands), so the CPU budget is one goal ×
 # 4 rollouts × up to 8 turns per step; the recipes under recipes/ hold the papers' sizes.
 MAIN_JOB_DEFAULTS = dict(
