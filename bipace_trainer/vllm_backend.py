@@ -153,7 +153,7 @@ def install_cpu_weight_loading(vllm_generation) -> bool:
     if vllm_generation.mode != "colocate":
         return False
     runner = vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner
-    if getattr(getattr(runner, "device", None), "type", "cpu") != "cpu" or not hasattr(runner, "reload_weights"):
+    if getattr(getattr(runner, "device", None), "type", None) != "cpu" or not hasattr(runner, "reload_weights"):
         return False
 
     def sync_weights(this):
