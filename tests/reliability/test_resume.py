@@ -4,27 +4,17 @@ generation still feeds further optimizer steps (the buffered samples)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.models import load_tokenizer
 from bipace_trainer.trainer import BUFFER_FILE
-from tests.trainer.tiny_setup import tiny_args
+from tests.trainer.tiny_setup import StopAfter, tiny_args
 
 STEPS = 6
-
-
-class StopAfter(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 class RecordingTrainer(BiPACETrainer):

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.models import load_tokenizer
 
-from .tiny_setup import LORA, lora_state, tiny_args
+from .tiny_setup import LORA, StopAfter, lora_state, tiny_args
 
 
 class RecordingHubApi:
@@ -62,15 +62,6 @@ def test_push_to_hub_uploads_adapter_and_model_card(warm_policy, tmp_path, monke
     assert final["tag"] == "final"
     assert "**tiny**" in card and "bipace_q" in card and "library_name: peft" in card
     assert f"**{final['success_rate']:.3f}**" in card  # the final evaluation is in the card
-
-
-class StopAfter(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def comparable_logs(trainer):

@@ -14,7 +14,7 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM, TrainerCallback
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
@@ -56,6 +56,17 @@ def warm_start(model, tokenizer, output_dir: str, *, expert_prob: float = 0.0, m
     )
     SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
     return model
+
+
+class StopAfter(TrainerCallback):
+    """Stops training once `step` optimizer steps are done (an interrupted run, for resume tests)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
