@@ -155,7 +155,10 @@ class BiPACEConfig(GRPOConfig):
     recalibrate_eps_every: int = field(default=0, metadata={"help": "Re-calibrate 'auto' ε every k steps (0: once)."})
     hidden_capture: str = field(
         default="hook",
-        metadata={"help": "hook (during a pass that runs anyway: prefill, or the old-logprob pass under vLLM) | forward (one extra no-grad pass)."},
+        metadata={
+            "help": "hook (during a pass that runs anyway: prefill, or the old-logprob pass under vLLM) "
+            "| forward (one extra no-grad pass)."
+        },
     )
     importance_sampling_level: str | None = field(
         default=None,
@@ -177,8 +180,12 @@ class BiPACEConfig(GRPOConfig):
     )
     train_split: str = field(default="train", metadata={"help": "Env task split used for training."})
     eval_split: str = field(default="valid", metadata={"help": "Env task split used for evaluation."})
-    train_tasks: int = field(default=0, metadata={"help": "Train on k tasks of train_split, stratified over task types (0: all)."})
-    eval_tasks: int = field(default=32, metadata={"help": "Number of evaluation tasks, stratified over task types (0: the whole split)."})
+    train_tasks: int = field(
+        default=0, metadata={"help": "Train on k tasks of train_split, stratified over task types (0: all)."}
+    )
+    eval_tasks: int = field(
+        default=32, metadata={"help": "Number of evaluation tasks, stratified over task types (0: the whole split)."}
+    )
     eval_rollouts_per_task: int = field(default=1, metadata={"help": "Evaluation rollouts of each task."})
     eval_interval: int = field(default=0, metadata={"help": "Evaluate every k optimizer steps (0: before/after only)."})
     evaluate_before_training: bool = field(default=True, metadata={"help": "Evaluate once before training."})

@@ -64,7 +64,8 @@ def importance_sampling_ratio(
     if mode not in IS_MODES:
         raise ValueError(f"vllm_importance_sampling_mode={mode!r}; use one of {', '.join(IS_MODES)}.")
     if old_logps.shape != sampling_logps.shape or old_logps.shape != mask.shape:
-        raise ValueError(f"shapes differ: old {tuple(old_logps.shape)}, sampling {tuple(sampling_logps.shape)}, mask {tuple(mask.shape)}")
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in (("old", old_logps), ("sampling", sampling_logps), ("mask", mask)))
+        raise ValueError(f"shapes differ: {shapes}")
     diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)

@@ -68,7 +68,9 @@ def test_ratio_agrees_with_a_loop_over_tokens(rows, cols, mode, low, high, seed)
     mask = (torch.rand(rows, cols, generator=generator) < 0.8).long()
     ratio = importance_sampling_ratio(old, sampling, mask, mode, low, high)
     for i in range(rows):
-        diffs = [0.0 if (not mask[i, t] or math.isnan(sampling[i, t])) else float(old[i, t] - sampling[i, t]) for t in range(cols)]
+        diffs = [
+            0.0 if (not mask[i, t] or math.isnan(sampling[i, t])) else float(old[i, t] - sampling[i, t]) for t in range(cols)
+        ]
         values = [math.exp(sum(diffs))] if mode.startswith("sequence") else [math.exp(d) for d in diffs]
         for t, value in enumerate(values):
             inside = (low is None or value >= low) and (high is None or value <= high)

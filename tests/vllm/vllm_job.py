@@ -96,7 +96,8 @@ def main() -> None:
 
     # The correction switched off: the batch is what it was before the correction existed.
     trainer.vllm_importance_sampling_correction = False
-    inputs = [{"task_id": row["task_id"]} for row in trainer.train_dataset.select(range(2)) for _ in range(config.num_generations)]
+    rows = trainer.train_dataset.select(range(2))
+    inputs = [{"task_id": row["task_id"]} for row in rows for _ in range(config.num_generations)]
     uncorrected = trainer._generate_and_score_completions(inputs)
     trainer.close_envs()
 
@@ -108,7 +109,9 @@ def main() -> None:
                 "steps": len(rollout.steps),
                 "nonzero_advantages": int((advantages != 0).sum()),
                 "skip_update": bool(batch["skip_update"]),
-                "is_ratio_shape": list(batch["importance_sampling_ratio"].shape) if "importance_sampling_ratio" in batch else None,
+                "is_ratio_shape": (
+                    list(batch["importance_sampling_ratio"].shape) if "importance_sampling_ratio" in batch else None
+                ),
                 "completion_shape": list(batch["completion_ids"].shape),
                 "sampling_logprobs_per_step": all(
                     s.sampling_logprobs is not None and len(s.sampling_logprobs) == len(s.completion_ids) for s in rollout.steps
