@@ -92,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from .alfworld_gen import SPLITS, TASK_TYPES, engine_guard, generated_data_dir, plan_operators
-from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, register_env
+from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["TASK_TYPES", "AlfWorldEnv", "AlfredEngine"]
 
@@ -697,7 +697,7 @@ class AlfWorldEnv(TextEnv):
     def step(self, action: str) -> StepResult:
         if self._engine is None or self.done:
             return StepResult("The episode is over; call reset().", done=True, anchor="The episode is over.")
-        command = " ".join(str(action).lower().split())
+        command = normalise_action(action)
         if self._plan and command == self._plan[0]:
             self._plan = self._plan[1:]
         else:

@@ -34,6 +34,7 @@ __all__ = [
     "TaskSpec",
     "TextEnv",
     "stratified_subset",
+    "normalise_action",
     "register_env",
     "make_env",
     "resolve_env_class",
@@ -79,13 +80,25 @@ class TaskSpec:
 
     `attributes` holds whatever the env exposes for splitting and reporting, for
     example {"depth": 2} for TextCraft or {"task_type": "pick_heat_then_place_in_recep"}
-    for ALFWorld. `group_key` names the attribute success is reported per
-    (e.g. "task_type"), or None.
+    for ALFWorld. Which attribute success is reported per is the env's
+    `TextEnv.report_key` (e.g. "task_type"), or None.
     """
 
     task_id: int
     split: str
     attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def normalise_action(action: Any, lower: bool = True) -> str:
+    """The command an engine is given for a model's `action`: white space folded, lower-cased.
+
+    Every run of white space (newlines and tabs too) becomes one space and the ends are
+    stripped, so stray spacing from a model never fails a command. Engines that match
+    commands in lower case (TextCraft's regexes, ALFWorld's parser) get it lower-cased;
+    `lower=False` leaves the case as written, for engines whose arguments keep theirs.
+    """
+    text = " ".join(str(action).split())
+    return text.lower() if lower else text
 
 
 def stratified_subset(specs: Sequence[TaskSpec], n: int, key: str | None, label: str = "tasks") -> list[TaskSpec]:

@@ -47,7 +47,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, register_env
+from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["ScienceWorldEnv", "TASK_ID_STRIDE", "encode_task_id", "decode_task_id"]
 
@@ -220,7 +220,9 @@ class ScienceWorldEnv(TextEnv):
     def step(self, action: str) -> StepResult:
         if self.done:
             return StepResult(observation="The episode is over.", done=True, anchor=self._anchor())
-        command = " ".join(str(action).split())
+        # Case is left as written: the engine's parser ignores it ("Open Door To Kitchen"
+        # opens the door) and its gold path is compared without it just below.
+        command = normalise_action(action, lower=False)
         if self._gold_position < len(self._gold) and command.lower() == self._gold[self._gold_position].lower():
             self._gold_position += 1
         else:

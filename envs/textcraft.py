@@ -55,7 +55,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, register_env
+from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["TextCraftEnv", "NUM_GOALS"]
 
@@ -227,7 +227,7 @@ class TextCraftEnv(TextEnv):
             return self._result("The episode is over.")
         # The engine matches its regexes from the start of the string; stray white
         # space or capitals from a model would fail every command.
-        command = " ".join(str(action).split()).lower()
+        command = normalise_action(action)
         observation, reward, terminated, _truncated, _ = self._engine.step(command)
         self.done = bool(terminated)
         return self._result(observation, float(reward))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import StepResult, TaskSpec, TextEnv, register_env
+from .base import StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["TinyEnv"]
 
@@ -98,7 +98,7 @@ class TinyEnv(TextEnv):
     def step(self, action: str) -> StepResult:
         if self.done:
             return self._result("The episode is over.")
-        move = " ".join(str(action).lower().split())
+        move = normalise_action(action)
         if move not in self._admissible():
             return self._result("Nothing happens.")
         self.position += 1 if move == "right" else -1

@@ -74,7 +74,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, register_env
+from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["WebShopEnv", "split_of", "search_keywords", "WEBSHOP_MODULES"]
 
@@ -399,7 +399,9 @@ def _joined(keywords: str | list[str] | None) -> str:
 
 def _normalize_action(action: str) -> str:
     """'  Click [ Buy  Now ] ' -> 'click[Buy Now]': WebShop matches `name[argument]` exactly."""
-    text = " ".join(str(action).split())
+    # Only the action name is lower-cased: the argument is a search query or a clickable's
+    # label, which WebShop matches as it is written.
+    text = normalise_action(action, lower=False)
     match = re.fullmatch(r"(\w+)\s*\[\s*(.*?)\s*\]", text)
     return f"{match.group(1).lower()}[{match.group(2)}]" if match else text
 
