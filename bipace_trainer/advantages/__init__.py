@@ -3,23 +3,36 @@
 Map from SPEC to code:
 
     §1 step records            records.StepBatch, records.BatchLayout, records.factorize
-    §2 returns, penalty        returns.step_returns, returns.episode_returns
+    §2 returns, penalty        returns.step_returns, returns.episode_returns; truncated
+                               trajectories: returns.truncation_value (bootstrap_truncated)
     §3 episode advantage       returns.episode_advantage (episode_stats="steps": GiGPO compat)
-    §4 axis 1, partition       partition.hash_partition, partition.hidden_partition,
-                               partition.leader_cluster, partition.calibrate_eps
+    §4 axis 1, partition       partition.PARTITIONS (register_partition): hash_partition,
+                               hidden_partition, leader_cluster, calibrate_eps
     §4 axis 2, baseline        baselines.mean_baseline, pace_q_baseline, pace_diff_baseline,
                                gae_baseline
     §4 combination, presets    presets.PRESETS, presets.resolve_settings,
                                presets.compute_advantages, presets.StepAdvantageEstimator
+                               (the one owner of "auto" ε and its fallback: eps_in_use)
     §5 diagnostics             the dict returned by compute_advantages; per step (return,
                                cell, PACE branch): presets.estimate_advantages
 """
 
 from .baselines import BASELINES
-from .partition import Partition, calibrate_eps, hash_partition, hidden_partition, leader_cluster
+from .partition import (
+    PARTITIONS,
+    Partition,
+    PartitionKind,
+    calibrate_eps,
+    hash_partition,
+    hidden_partition,
+    leader_cluster,
+    register_partition,
+    resolve_partition,
+)
 from .presets import (
     PRESETS,
     EstimatorSettings,
+    SettingsError,
     StepAdvantageEstimator,
     StepEstimate,
     compute_advantages,
@@ -28,14 +41,17 @@ from .presets import (
     resolve_settings,
 )
 from .records import BatchLayout, StepBatch, factorize
-from .returns import episode_advantage, episode_returns, step_returns
+from .returns import episode_advantage, episode_returns, step_returns, truncation_value
 
 __all__ = [
     "BASELINES",
+    "PARTITIONS",
     "PRESETS",
     "BatchLayout",
     "EstimatorSettings",
     "Partition",
+    "PartitionKind",
+    "SettingsError",
     "StepAdvantageEstimator",
     "StepBatch",
     "StepEstimate",
@@ -48,7 +64,10 @@ __all__ = [
     "hash_partition",
     "hidden_partition",
     "leader_cluster",
+    "register_partition",
     "register_preset",
+    "resolve_partition",
     "resolve_settings",
     "step_returns",
+    "truncation_value",
 ]

@@ -13,6 +13,23 @@ singleton cell (|C| = 1) gets A^s = 0, since nothing is compared.
 their action-side comparison is empty (one distinct key in the cell, or no
 different-key peer). Everything is a handful of segment reductions: no loop over
 steps, cells or groups.
+
+`gae` in full (GAGPO; `grouped_gae`, then `gae_baseline`), with p_t the invalid-action
+penalty of step t (SPEC §2) and R^env the env return-to-go (no penalty):
+
+    V̄(s)  = mean_C R^env                   value proxy over the cell of s
+    δ_t    = r_t + γ V̄(s_{t+1}) - V̄(s_t)   V̄(s_L) = 0 at the end (or R_L, `returns`)
+    Â_t    = Σ_k (γλ)^k δ_{t+k} - (p_t - mean_C p)
+    A^s_t  = (Â_t - μ_B) / (σ_B + 1e-6)    over the task group B's shared steps
+
+The penalty is not a reward: it enters the invalid step's own Â once, centred on its
+cell like every other baseline's, and no δ (a penalty inside r_t would hand the step
+*before* an invalid action a net bonus of γ(1-λ)p). At λ = 1 the sum telescopes to
+Â_t = R_t - mean_C R with the penalised returns R, as for `mean` without the std.
+
+Singletons under `gae`: a step alone in its cell gets A^s = 0 and is left out of μ_B
+and σ_B, but its V̄ (its own return) still enters the δ of its predecessor in the
+trajectory, so a singleton successor still moves the step before it.
 """
 
 from __future__ import annotations
@@ -136,34 +153,41 @@ def pace_diff_baseline(
 
 
 def grouped_gae(
-    returns: torch.Tensor, partition: Partition, layout: BatchLayout, gamma: float, lam: float
+    env_returns: torch.Tensor,
+    partition: Partition,
+    layout: BatchLayout,
+    gamma: float,
+    lam: float,
+    penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GAGPO's GAE over the grouped value proxy, before normalisation.
+    """GAGPO's GAE over the grouped value proxy, before normalisation (module docstring):
 
-        V̄(s_t)  = mean_C R                          (0 after the last step)
-        r̃_t     = R_t - γ R_{t+1}                   (the reward implied by the returns)
-        δ_t     = r̃_t + γ V̄(s_{t+1}) - V̄(s_t)
-        Â_t     = δ_t + γλ Â_{t+1}
+        V̄(s_t)  = mean_C R^env                     (0 after the last step)
+        δ_t     = r_t + γ V̄(s_{t+1}) - V̄(s_t)
+        Â_t     = δ_t + γλ Â_{t+1}  - (p_t - mean_C p)
 
-    Taking r̃ from the (penalised) returns makes the invalid-action penalty enter once,
-    as in the other baselines; with no penalty r̃_t is the env reward r_t. With λ = 1
-    the sum telescopes to Â_t = R_t - V̄(s_t). Trajectory ends bootstrap with 0 (the
-    turn budget is treated as the end of the episode, as GiGPO's returns do).
+    r_t is the reward implied by the returns, R^env_t - γ R^env_{t+1}, so a truncated
+    trajectory's bootstrap R_L (`returns.step_returns`) is its V̄(s_L). With λ = 1 the
+    sum telescopes to Â_t = R_t - mean_C R for the penalised returns R = R^env - p.
 
     Args:
-        returns: (N,) float64 step returns.
+        env_returns: (N,) float64 step returns without the penalty, R^env.
+        penalty: (N,) float64 p, the invalid-action penalty of each step (0 if valid);
+            None: no penalty (then any returns may be passed, e.g. already penalised).
     Returns:
         (N,) float64 Â.
     """
     cell = partition.cell
-    _, value, _ = segment_mean_std(returns, cell, partition.num_cells)
-    value_grid = layout.to_grid(value[cell])
-    return_grid = layout.to_grid(returns)
+    _, value, _ = segment_mean_std(env_returns, cell, partition.num_cells)
     # δ_t = (R_t - V̄_t) - γ (R_{t+1} - V̄_{t+1}), the same sum grouped so that a cell
     # whose returns all equal its mean contributes exactly 0
-    excess = return_grid - value_grid
+    excess = layout.to_grid(env_returns - value[cell])
     delta = excess - gamma * torch.nn.functional.pad(excess[:, 1:], (0, 1))
-    return layout.from_grid(discounted_cumsum_grid(delta, gamma * lam))
+    gae = layout.from_grid(discounted_cumsum_grid(delta, gamma * lam))
+    if penalty is None or not bool(penalty.any()):
+        return gae
+    _, mean_penalty, _ = segment_mean_std(penalty, cell, partition.num_cells)
+    return gae - (penalty - mean_penalty[cell])  # exactly 0 in a cell of equal penalties
 
 
 def gae_baseline(
@@ -173,16 +197,23 @@ def gae_baseline(
     layout: BatchLayout,
     gamma: float,
     lam: float,
+    penalty: torch.Tensor | None = None,
+    env_returns: torch.Tensor | None = None,
     **_,
 ) -> BaselineResult:
     """GAGPO: `grouped_gae`, then A^s = (Â - μ_B) / (σ_B + 1e-6) within each task group B.
 
-    Singleton steps get 0 (SPEC §4) and are left out of μ_B and σ_B (unbiased std).
+    Singleton steps get 0 (SPEC §4) and are left out of μ_B and σ_B (unbiased std);
+    they still enter their predecessor's δ through V̄ (module docstring).
 
     Args:
-        returns: (N,) float64 step returns; layout: the batch layout.
+        returns: (N,) float64 step returns R = R^env - p; layout: the batch layout.
+        penalty: (N,) float64 invalid-action penalty p of each step, or None (no penalty).
+        env_returns: (N,) float64 R^env, exact (the estimator passes it); None: R + p.
     """
-    gae = grouped_gae(returns, partition, layout, gamma, lam)
+    if env_returns is None:
+        env_returns = returns if penalty is None else returns + penalty
+    gae = grouped_gae(env_returns, partition, layout, gamma, lam, penalty)
     shared = partition.step_cell_size() > 1
     group = layout.group_index
     _, group_mean, group_std = segment_mean_std(gae[shared], group[shared], layout.num_groups)

@@ -7,18 +7,44 @@ count as "the same state" for the step baseline. Cells never cross task groups.
 - `hash_partition`: steps with identical anchors share a cell (GiGPO, GAGPO).
 - `hidden_partition`: leader clustering of the actor's hidden states by cosine
   distance (BiGPO), with `calibrate_eps` for `cluster_eps="auto"`.
+
+`PARTITIONS` names them, as `BASELINES` names the step baselines. Each entry says which
+`StepBatch` fields it reads (the trainer captures hidden states only for a partition
+that reads `hidden`) and whether it takes the threshold ε (then `cluster_eps="auto"`
+calibrates it). Adding a partition is one call, no edit of this package:
+
+    register_partition("by_turn", lambda batch, layout, eps: Partition.from_labels(layout.group_index, batch.t))
+
+or a `PartitionKind` object named by dotted path, `partition="my_package.cells:BY_ROOM"`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from .records import BatchLayout
 
-__all__ = ["Partition", "hash_partition", "hidden_partition", "leader_cluster", "calibrate_eps", "SAME_STATE_TOL"]
+if TYPE_CHECKING:
+    from .records import StepBatch
+
+__all__ = [
+    "Partition",
+    "PartitionKind",
+    "PARTITIONS",
+    "register_partition",
+    "resolve_partition",
+    "hash_partition",
+    "hidden_partition",
+    "leader_cluster",
+    "calibrate_eps",
+    "bisect_eps",
+    "SAME_STATE_TOL",
+]
 
 # Leader clustering joins a cluster when d <= eps + SAME_STATE_TOL, so that two
 # bit-identical hidden states always share a cell at eps = 0 despite float32 rounding
@@ -246,10 +272,14 @@ def calibrate_eps(
     the returned ε satisfies the target unless even `max_eps` does not, in which case
     `max_eps` is returned. Each probe is one `leader_cluster` call on the batch.
     """
+    rate = lambda eps: hidden_partition(hidden, layout, eps).singleton_rate()  # noqa: E731
+    return bisect_eps(rate, target_singleton_rate, max_eps, iterations)
 
-    def rate(eps: float) -> float:
-        return hidden_partition(hidden, layout, eps).singleton_rate()
 
+def bisect_eps(
+    rate: Callable[[float], float], target_singleton_rate: float, max_eps: float, iterations: int = 12
+) -> float:
+    """`calibrate_eps` for any partition that takes ε: `rate(ε)` is its singleton rate on the batch."""
     if rate(0.0) <= target_singleton_rate:
         return 0.0
     if rate(max_eps) > target_singleton_rate:
@@ -262,3 +292,80 @@ def calibrate_eps(
         else:
             low = mid
     return high
+
+
+@dataclass(frozen=True)
+class PartitionKind:
+    """A state partition the estimator can use (SPEC §4, axis 1), as `PARTITIONS` holds it.
+
+    Attributes:
+        build: (batch, layout, eps) -> `Partition`, cells nested in task groups; eps is
+            a float in [0, 2] when `takes_eps`, else None. None for the `none`
+            partition: no cells, so no step-level term.
+        needs: the `StepBatch` fields `build` reads ("anchor", "hidden", ...): the
+            rollout must fill them, and the trainer captures hidden states only when
+            "hidden" is among them.
+        takes_eps: `build` reads the threshold ε, so `cluster_eps` applies to it
+            ("auto": the smallest ε reaching `target_singleton_rate`, `bisect_eps`).
+    """
+
+    build: Callable[["StepBatch", BatchLayout, float | None], Partition] | None
+    needs: frozenset[str] = field(default_factory=frozenset)
+    takes_eps: bool = False
+
+    @property
+    def has_cells(self) -> bool:
+        return self.build is not None
+
+
+PARTITIONS: dict[str, PartitionKind] = {
+    "none": PartitionKind(build=None),
+    "hash": PartitionKind(
+        build=lambda batch, layout, eps: hash_partition(batch.anchor, layout), needs=frozenset({"anchor"})
+    ),
+    "hidden": PartitionKind(
+        build=lambda batch, layout, eps: hidden_partition(batch.hidden, layout, eps),
+        needs=frozenset({"hidden"}),
+        takes_eps=True,
+    ),
+}
+
+
+def register_partition(
+    name: str,
+    build: Callable[["StepBatch", BatchLayout, float | None], Partition],
+    *,
+    needs: tuple[str, ...] | frozenset[str] = (),
+    takes_eps: bool = False,
+) -> PartitionKind:
+    """Add a partition under `name` (see `PartitionKind` for the arguments); returns the entry."""
+    from .records import StepBatch
+
+    fields = set(StepBatch.__dataclass_fields__)
+    unknown = set(needs) - fields
+    if unknown:
+        raise ValueError(
+            f"register_partition({name!r}): needs={sorted(unknown)} are not StepBatch fields; use some of {sorted(fields)}."
+        )
+    kind = PartitionKind(build=build, needs=frozenset(needs), takes_eps=takes_eps)
+    PARTITIONS[name] = kind
+    return kind
+
+
+def resolve_partition(name: str) -> PartitionKind:
+    """The registered partition `name`, or a `PartitionKind` imported from "package.module:NAME"."""
+    if name in PARTITIONS:
+        return PARTITIONS[name]
+    if isinstance(name, str) and ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            kind = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"partition={name!r}: could not import {attr!r} from {module_name!r} ({err}).") from None
+        if not isinstance(kind, PartitionKind):
+            raise ValueError(f"partition={name!r} is {kind!r}, not a bipace_trainer.advantages.PartitionKind.")
+        return kind
+    raise ValueError(
+        f"partition={name!r} is not a registered partition; choose one of {sorted(PARTITIONS)}, add one with "
+        "bipace_trainer.advantages.register_partition, or give a dotted path 'package.module:NAME'."
+    )

@@ -30,12 +30,13 @@ from typing import Any, Callable
 import torch
 
 from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON
-from .partition import Partition, calibrate_eps, hash_partition, hidden_partition
+from .partition import PARTITIONS, Partition, PartitionKind, bisect_eps, resolve_partition
 from .records import BatchLayout, StepBatch
-from .returns import episode_advantage, step_returns
+from .returns import discounted_cumsum, episode_advantage, step_returns, truncation_value
 
 __all__ = [
     "EstimatorSettings",
+    "SettingsError",
     "PRESETS",
     "register_preset",
     "resolve_settings",
@@ -45,8 +46,16 @@ __all__ = [
     "StepAdvantageEstimator",
 ]
 
-PARTITIONS = ("none", "hash", "hidden")
 NORMS = ("mean", "mean_std")
+
+
+class SettingsError(ValueError):
+    """A bad estimator setting; `field` is the `EstimatorSettings` field it names, so a
+    caller with its own names for the fields (`BiPACEConfig`) can name its own."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -54,9 +63,10 @@ class EstimatorSettings:
     """Every knob of the step-level advantage estimator (SPEC §2–§4).
 
     Attributes:
-        partition: state partition, "none" | "hash" | "hidden".
+        partition: state partition, a name in `partition.PARTITIONS` ("none" | "hash" |
+            "hidden" built in) or "package.module:NAME" of a `PartitionKind`.
         baseline: step baseline, "mean" | "pace_q" | "pace_diff" | "gae"; None iff
-            partition is "none".
+            the partition has no cells ("none").
         norm: "mean_std" or "mean", for A^ep and the `mean` baseline.
         pace_norm: "mean" (default; the BiPACE paper does not publish a std) or
             "mean_std", for the PACE baselines.
@@ -65,10 +75,14 @@ class EstimatorSettings:
         invalid_penalty: subtracted from an invalid step's return after discounting.
         episode_stats: "trajectory" (A^ep over the G trajectories) or "steps"
             (GiGPO reference compatibility: over step rows).
-        cluster_eps: cosine-distance threshold of the `hidden` partition, or "auto".
+        cluster_eps: cosine-distance threshold of a partition that takes ε (`hidden`),
+            a float in [0, 2] (a string such as "0.10" is parsed here) or "auto".
         target_singleton_rate, max_cluster_eps: what "auto" aims for and its cap.
         recalibrate_every: with "auto", re-calibrate ε every this many calls (0: never).
         importance_sampling_level: "token" or "sequence" (GAGPO); read by the trainer.
+        bootstrap_truncated: False (GiGPO's behaviour): a trajectory cut by the turn
+            budget ends with R_L = 0, as if the env had ended it. True: its last step
+            bootstraps from the value proxy, R_L = V̄(s_{L-1}) (`returns.truncation_value`).
     """
 
     partition: str = "hidden"
@@ -86,49 +100,69 @@ class EstimatorSettings:
     max_cluster_eps: float = 0.3
     recalibrate_every: int = 0
     importance_sampling_level: str = "token"
+    bootstrap_truncated: bool = False
 
     def __post_init__(self):
-        def choice(name, allowed):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not one of {allowed}.")
+        def fail(name, message):
+            raise SettingsError(name, f"{name}={getattr(self, name)!r} {message}")
 
-        choice("partition", PARTITIONS)
+        def choice(name, allowed):
+            if getattr(self, name) not in allowed:
+                fail(name, f"is not one of {allowed}.")
+
+        try:
+            kind = resolve_partition(self.partition)
+        except ValueError as err:
+            raise SettingsError("partition", str(err)) from None
         choice("norm", NORMS)
         choice("pace_norm", NORMS)
         choice("episode_stats", ("trajectory", "steps"))
         choice("importance_sampling_level", ("token", "sequence"))
-        if self.partition == "none" and self.baseline is not None:
-            raise ValueError(
-                f"baseline={self.baseline!r} has no effect with partition='none' (no step-level cells); "
-                "set baseline=None, or pick partition='hash' or 'hidden'."
+        if not kind.has_cells and self.baseline is not None:
+            with_cells = " or ".join(repr(name) for name, entry in PARTITIONS.items() if entry.has_cells)
+            fail(
+                "baseline",
+                f"has no effect with partition={self.partition!r} (no step-level cells); "
+                f"set baseline=None, or pick partition={with_cells}.",
             )
-        if self.partition != "none":
+        if kind.has_cells:
             choice("baseline", tuple(BASELINES))
         if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma={self.gamma} must lie in [0, 1].")
+            fail("gamma", "must lie in [0, 1].")
         if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam={self.lam} must lie in [0, 1].")
+            fail("lam", "must lie in [0, 1].")
         if self.invalid_penalty < 0:
-            raise ValueError(f"invalid_penalty={self.invalid_penalty} must be >= 0 (it is subtracted).")
-        if isinstance(self.cluster_eps, str):
-            if self.cluster_eps != "auto":
-                try:
-                    self.cluster_eps = float(self.cluster_eps)
-                except ValueError:
-                    raise ValueError(f"cluster_eps={self.cluster_eps!r}: give a float in [0, 2] or 'auto'.") from None
+            fail("invalid_penalty", "must be >= 0 (it is subtracted).")
+        if isinstance(self.cluster_eps, str) and self.cluster_eps != "auto":
+            try:
+                self.cluster_eps = float(self.cluster_eps)
+            except ValueError:
+                fail("cluster_eps", "is not a number: give a float in [0, 2] or 'auto'.")
         if not isinstance(self.cluster_eps, str) and not 0.0 <= self.cluster_eps <= 2.0:
-            raise ValueError(f"cluster_eps={self.cluster_eps} must lie in [0, 2] (a cosine distance) or be 'auto'.")
+            fail("cluster_eps", "must lie in [0, 2] (a cosine distance) or be 'auto'.")
         if not 0.0 <= self.target_singleton_rate <= 1.0:
-            raise ValueError(f"target_singleton_rate={self.target_singleton_rate} must lie in [0, 1].")
+            fail("target_singleton_rate", "must lie in [0, 1].")
         if not 0.0 < self.max_cluster_eps <= 2.0:
-            raise ValueError(f"max_cluster_eps={self.max_cluster_eps} must lie in (0, 2].")
+            fail("max_cluster_eps", "must lie in (0, 2].")
         if self.recalibrate_every < 0:
-            raise ValueError(f"recalibrate_every={self.recalibrate_every} must be >= 0 (0 = calibrate once).")
+            fail("recalibrate_every", "must be >= 0 (0 = calibrate once).")
+        if not isinstance(self.bootstrap_truncated, bool):
+            fail("bootstrap_truncated", "must be True or False.")
+
+    @property
+    def partition_kind(self) -> PartitionKind:
+        """The `PartitionKind` that `partition` names."""
+        return resolve_partition(self.partition)
 
     @property
     def has_step_term(self) -> bool:
-        return self.partition != "none" and self.w_step != 0.0
+        return self.partition_kind.has_cells and self.w_step != 0.0
+
+    @property
+    def rollout_needs(self) -> frozenset[str]:
+        """The `StepBatch` fields the partition reads, when there is a step term: what the
+        rollout must record beyond rewards (the trainer captures hidden states iff "hidden")."""
+        return self.partition_kind.needs if self.has_step_term else frozenset()
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -154,26 +188,32 @@ def register_preset(name: str, **defaults: Any) -> None:
 def resolve_settings(preset: str = "bipace_q", **overrides: Any) -> EstimatorSettings:
     """The preset's defaults with `overrides` on top; None-valued overrides are ignored.
 
-    Raises ValueError naming the field on an unknown preset, unknown field, or a
-    contradictory combination (e.g. preset "grpo" with baseline="mean").
+    Raises `SettingsError` (a ValueError) naming the field on an unknown preset, unknown
+    field, or a contradictory combination (e.g. preset "grpo" with baseline="mean").
     """
     if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is unknown; choose one of {sorted(PRESETS)}.")
+        raise SettingsError("preset", f"preset={preset!r} is unknown; choose one of {sorted(PRESETS)}.")
     fields = {f.name for f in dataclasses.fields(EstimatorSettings)}
     unknown = set(overrides) - fields
     if unknown:
-        raise ValueError(f"Unknown estimator setting(s) {sorted(unknown)}; valid: {sorted(fields)}.")
+        raise SettingsError(
+            sorted(unknown)[0], f"Unknown estimator setting(s) {sorted(unknown)}; valid: {sorted(fields)}."
+        )
     values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
     try:
         return EstimatorSettings(**values)
-    except ValueError as err:
-        raise ValueError(f"{err} (preset={preset!r})") from None  # the field, its value and the fix; no dict dump
+    except SettingsError as err:  # the field, its value and the fix; no dict dump
+        raise SettingsError(err.field, f"{err} (preset={preset!r})") from None
 
 
-def _partition(batch: StepBatch, layout: BatchLayout, settings: EstimatorSettings, eps: float | None) -> Partition:
-    if settings.partition == "hash":
-        return hash_partition(batch.anchor, layout)
-    return hidden_partition(batch.hidden, layout, eps)
+def _build_partition(settings: EstimatorSettings, batch: StepBatch, layout: BatchLayout, eps: float | None) -> Partition:
+    kind = settings.partition_kind
+    for name in sorted(kind.needs):
+        if getattr(batch, name, None) is None:
+            raise ValueError(
+                f"partition={settings.partition!r} needs StepBatch.{name}; the rollout must record it for every step."
+            )
+    return kind.build(batch, layout, eps)
 
 
 def _quantiles(values: torch.Tensor, *q: float) -> list[float]:
@@ -204,7 +244,7 @@ def _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, 
             "estimator/cell_size_p90": _quantiles(sizes, 0.9)[0],
         }
     )
-    if settings.partition == "hidden":
+    if eps is not None:
         diag["estimator/cluster_eps"] = float(eps)
     if step_result.branch is not None:
         n = max(step_result.branch.numel(), 1)
@@ -242,14 +282,14 @@ def compute_advantages(
     Args:
         batch: N flat step records (`StepBatch`).
         settings: estimator knobs (`resolve_settings`).
-        cluster_eps: ε for the `hidden` partition; defaults to `settings.cluster_eps`,
+        cluster_eps: ε of a partition that takes one; defaults to `settings.cluster_eps`,
             calibrated on this batch when that is "auto" (use `StepAdvantageEstimator`
             to calibrate once and hold ε fixed across batches).
     Returns:
         advantages: (N,) float32, A_i = w_ep A^ep_i + w_step A^s_i.
         diagnostics: flat dict of floats (advantage stats, cell stats, PACE branches, timings).
     """
-    estimate = _estimate(batch, settings, cluster_eps, per_step=False)
+    estimate = _estimate_once(batch, settings, cluster_eps, per_step=False)
     return estimate.advantage, estimate.diagnostics
 
 
@@ -258,10 +298,17 @@ def estimate_advantages(
 ) -> StepEstimate:
     """`compute_advantages` plus each step's return, cell and PACE branch (`StepEstimate`);
     the advantages are the very same tensor values."""
-    return _estimate(batch, settings, cluster_eps, per_step=True)
+    return _estimate_once(batch, settings, cluster_eps, per_step=True)
 
 
-def _estimate(batch: StepBatch, settings: EstimatorSettings, cluster_eps: float | None, per_step: bool) -> StepEstimate:
+def _estimate_once(batch, settings, cluster_eps, per_step) -> StepEstimate:
+    if cluster_eps is None:  # a fresh estimator: ε as the settings say, "auto" calibrated on this batch
+        return StepAdvantageEstimator(settings)._run(batch, None, per_step)
+    return _estimate(batch, settings, float(cluster_eps) if settings.partition_kind.takes_eps else None, per_step)
+
+
+def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, per_step: bool) -> StepEstimate:
+    """The estimate at a fixed ε (None for a partition that takes none)."""
     start = time.perf_counter()
     layout = BatchLayout.from_batch(batch)
     ep_adv = episode_advantage(
@@ -273,16 +320,21 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, cluster_eps: float 
         invalid_penalty=settings.invalid_penalty,
     )
     step_adv = torch.zeros_like(ep_adv)
-    partition, step_result, eps, returns = None, None, None, None
+    partition, step_result, returns = None, None, None
     partition_seconds = 0.0
     if settings.has_step_term and len(batch):
-        eps = cluster_eps if cluster_eps is not None else settings.cluster_eps
-        if settings.partition == "hidden" and eps == "auto":
-            eps = calibrate_eps(batch.hidden, layout, settings.target_singleton_rate, settings.max_cluster_eps)
         partition_start = time.perf_counter()
-        partition = _partition(batch, layout, settings, eps)
+        partition = _build_partition(settings, batch, layout, eps)
         partition_seconds = time.perf_counter() - partition_start
-        returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, settings.invalid_penalty)
+        next_value = None
+        if settings.bootstrap_truncated and bool(batch.truncated.any()):
+            terminal = discounted_cumsum(batch.reward, layout, settings.gamma)
+            next_value = truncation_value(terminal, partition.cell, partition.num_cells, batch.truncated)
+        # R = R^env - p (`step_returns`), with R^env kept exact for the baselines that
+        # keep the penalty out of their recursion (gae)
+        env_returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, 0.0, next_value=next_value)
+        penalty = settings.invalid_penalty * (~batch.valid).to(env_returns.dtype)
+        returns = env_returns - penalty
         step_result = BASELINES[settings.baseline](
             returns,
             partition,
@@ -292,8 +344,12 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, cluster_eps: float 
             layout=layout,
             gamma=settings.gamma,
             lam=settings.lam,
+            penalty=penalty,
+            env_returns=env_returns,
         )
         step_adv = step_result.advantage
+    else:
+        eps = None  # no cells were built, so no ε was used
     advantage = settings.w_ep * ep_adv + settings.w_step * step_adv
     diagnostics = _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, eps)
     diagnostics["time/partition_s"] = partition_seconds
@@ -309,13 +365,16 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, cluster_eps: float 
 
 
 class StepAdvantageEstimator:
-    """`compute_advantages` with state: the ε of `cluster_eps="auto"`.
+    """`compute_advantages` with state: the ε of `cluster_eps="auto"`, and its one owner.
 
-    ε is calibrated on the first batch and then held fixed (or re-calibrated every
-    `recalibrate_every` calls). In distributed training pass `reduce`, a function
-    mapping this rank's ε (NaN when the rank's batch is empty) to the ranks' mean, so
-    every rank clusters with the same ε. `state_dict`/`load_state_dict` carry ε and the
-    call count across a resume.
+    For a partition that takes ε (`PartitionKind.takes_eps`), ε is calibrated on the
+    first batch and then held fixed (or re-calibrated every `recalibrate_every` calls).
+    In distributed training pass `reduce`, a function mapping this rank's ε (NaN when
+    the rank's batch is empty) to the ranks' mean, so every rank clusters with the same
+    ε. Until a calibration succeeds (every batch so far empty on every rank) the
+    estimator clusters with `max_cluster_eps`; `eps_in_use` says which ε that is, for
+    logs and the model card. `state_dict`/`load_state_dict` carry ε and the call count
+    across a resume.
     """
 
     def __init__(self, settings: EstimatorSettings):
@@ -324,22 +383,32 @@ class StepAdvantageEstimator:
         self.num_calls = 0
 
     @property
+    def eps_in_use(self) -> float | None:
+        """The ε the next call clusters with: the calibrated or fixed ε, `max_cluster_eps`
+        before any calibration succeeded, None when the partition takes no ε."""
+        if not self.settings.partition_kind.takes_eps:
+            return None
+        return self.cluster_eps if self.cluster_eps is not None else float(self.settings.max_cluster_eps)
+
+    @property
     def needs_calibration(self) -> bool:
         s = self.settings
-        if s.partition != "hidden" or s.cluster_eps != "auto" or not s.has_step_term:
+        if not s.partition_kind.takes_eps or s.cluster_eps != "auto" or not s.has_step_term:
             return False
         if self.cluster_eps is None:
             return True
         return s.recalibrate_every > 0 and self.num_calls % s.recalibrate_every == 0
 
     def calibrate(self, batch: StepBatch, reduce: Callable[[float], float] | None = None) -> None:
-        """Set ε from `batch` (see `calibrate_eps`), averaged over ranks by `reduce`."""
+        """Set ε from `batch`: the smallest ε whose singleton rate is at most
+        `target_singleton_rate`, capped at `max_cluster_eps` (`bisect_eps`; for `hidden`
+        that is `calibrate_eps`), averaged over ranks by `reduce`."""
+        s = self.settings
         eps = math.nan
         if len(batch):
-            if batch.hidden is None:
-                raise ValueError("partition='hidden' needs StepBatch.hidden (hidden states at cluster_layer).")
             layout = BatchLayout.from_batch(batch)
-            eps = calibrate_eps(batch.hidden, layout, self.settings.target_singleton_rate, self.settings.max_cluster_eps)
+            rate = lambda e: _build_partition(s, batch, layout, e).singleton_rate()  # noqa: E731
+            eps = bisect_eps(rate, s.target_singleton_rate, s.max_cluster_eps)
         if reduce is not None:
             eps = reduce(eps)
         if not math.isnan(eps):
@@ -362,8 +431,7 @@ class StepAdvantageEstimator:
             self.calibrate(batch, reduce)
             calibration_seconds = time.perf_counter() - start
         self.num_calls += 1
-        eps = self.cluster_eps if self.cluster_eps is not None else self.settings.max_cluster_eps
-        estimate = _estimate(batch, self.settings, eps, per_step)
+        estimate = _estimate(batch, self.settings, self.eps_in_use, per_step)
         estimate.diagnostics["time/calibration_s"] = calibration_seconds
         return estimate
 

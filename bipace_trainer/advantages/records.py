@@ -12,6 +12,8 @@ flat, one row per step, in any order:
     anchor (N,)   int64   id of the raw current observation (exact-match state)
     action_key (N,) int64 id of the normalised action
     hidden (N, d) float   actor hidden state at `cluster_layer`, last prompt token
+    truncated (N,) bool   the turn budget ended the trajectory after this step (its
+                          last step only): cut, not terminated by the env
 
 Strings (anchors, action keys) are turned into int64 ids with `factorize`, once,
 outside the hot path. `BatchLayout` derives the dense indices every estimator needs
@@ -104,7 +106,9 @@ class StepBatch:
 
     Construct it with tensors or plain sequences: string anchors and action keys are
     factorised to ids. `anchor` is needed by the `hash` partition, `hidden` by the
-    `hidden` partition, `action_key` by the `pace_*` baselines.
+    `hidden` partition, `action_key` by the `pace_*` baselines (each partition says
+    what it reads: `partition.PARTITIONS`). `truncated` defaults to all False (every
+    trajectory ended by the env); only `bootstrap_truncated` reads it.
     """
 
     group: torch.Tensor
@@ -115,6 +119,7 @@ class StepBatch:
     anchor: torch.Tensor | None = None
     action_key: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
 
     def __post_init__(self):
         self.group = _as_long("group", self.group, None)
@@ -131,6 +136,10 @@ class StepBatch:
         self.valid = torch.as_tensor(self.valid, dtype=torch.bool).reshape(-1)
         if self.valid.shape[0] != n:
             raise ValueError(f"StepBatch.valid must have shape (N,)={(n,)}, got {tuple(self.valid.shape)}.")
+        self.truncated = torch.zeros(n, dtype=torch.bool) if self.truncated is None else self.truncated
+        self.truncated = torch.as_tensor(self.truncated, dtype=torch.bool).reshape(-1)
+        if self.truncated.shape[0] != n:
+            raise ValueError(f"StepBatch.truncated must have shape (N,)={(n,)}, got {tuple(self.truncated.shape)}.")
         if self.anchor is not None:
             self.anchor = _as_long("anchor", self.anchor, n)
         if self.action_key is not None:
@@ -185,6 +194,11 @@ class BatchLayout:
             return cls(traj_index, group_index, empty, traj_length, 0, empty)
         if (batch.t < 0).any() or (batch.t >= traj_length[traj_index]).any():
             raise ValueError("StepBatch.t must run 0..L-1 within each trajectory (found a gap or a negative index).")
+        if (batch.truncated & (batch.t != traj_length[traj_index] - 1)).any():
+            raise ValueError(
+                "StepBatch.truncated marks a step that is not its trajectory's last; mark only the last step of a "
+                "trajectory the turn budget cut."
+            )
         max_length = int(traj_length.max())
         grid_position = traj_index * max_length + batch.t
         if torch.unique(grid_position).shape[0] != n:

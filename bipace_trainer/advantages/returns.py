@@ -2,6 +2,25 @@
 
 All functions are pure and vectorised over the whole batch: no Python loop over
 trajectories or steps.
+
+Trajectory ends. A trajectory ends because the env ended it (terminated: success or
+failure, nothing follows, R_L = 0) or because the turn budget ran out (truncated,
+`StepBatch.truncated`: the task went on, and its value after the cut is unknown).
+GiGPO's returns treat both as terminal; that stays the default, so `gigpo` reproduces
+its reference. With `bootstrap_truncated` the estimator tells them apart, as rlax and
+torchrl separate the end of a trajectory from the end of an episode:
+
+    R_t = r_t + γ R_{t+1},   R_L = 0                   terminated
+                             R_L = V̄(s_{L-1})         truncated
+
+V̄ is the value proxy of the gae baseline (SPEC §4), the mean env return-to-go of a
+cell, taken here from the terminal returns and over the cell of the last step: s_L is
+never observed (no step was taken there), so the last observed state stands in for it.
+The bootstrap changes every return of the trajectory (γ^{L-t} V̄), hence every step
+baseline, and GAE's δ_{L-1} = r_{L-1} + γ V̄(s_L) - V̄(s_{L-1}) with V̄(s_L) = R_L.
+The episode return R^ep (SPEC §3) is the rewards the episode got and is never
+bootstrapped. The invalid-action penalty is not a reward: it stays out of V̄ and the
+bootstrap, and is subtracted after the recursion as always.
 """
 
 from __future__ import annotations
@@ -16,6 +35,7 @@ __all__ = [
     "step_returns",
     "episode_returns",
     "episode_advantage",
+    "truncation_value",
     "EPS",
 ]
 
@@ -55,20 +75,47 @@ def discounted_cumsum(values: torch.Tensor, layout: BatchLayout, discount: float
 
 
 def step_returns(
-    reward: torch.Tensor, valid: torch.Tensor, layout: BatchLayout, gamma: float, invalid_penalty: float
+    reward: torch.Tensor,
+    valid: torch.Tensor,
+    layout: BatchLayout,
+    gamma: float,
+    invalid_penalty: float,
+    *,
+    next_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return-to-go R_t = r_t + γ R_{t+1}, minus `invalid_penalty` on invalid steps (SPEC §2).
 
     The penalty is subtracted *after* the recursion, as GiGPO does: it hits that step
-    only and is not propagated back to earlier steps.
+    only and is not propagated back to earlier steps. The recursion ends with R_L = 0
+    (terminal), or with the value after a truncated last step (module docstring).
 
     Args:
         reward: (N,) float64 env rewards; valid: (N,) bool.
+        next_value: (N,) float64 R_L on the last step of a truncated trajectory and 0
+            elsewhere (`truncation_value`); None: every trajectory ends with R_L = 0.
     Returns:
         (N,) float64 step returns.
     """
+    if next_value is not None:  # R_{L-1} = r_{L-1} + γ R_L, and the recursion carries γ R_L back
+        reward = reward + gamma * next_value
     returns = discounted_cumsum(reward, layout, gamma)
     return returns - invalid_penalty * (~valid).to(returns.dtype)
+
+
+def truncation_value(
+    terminal_returns: torch.Tensor, cell: torch.Tensor, num_cells: int, truncated: torch.Tensor
+) -> torch.Tensor:
+    """R_L of each truncated trajectory: V̄(s_{L-1}) = mean_C R over its last step's cell.
+
+    Args:
+        terminal_returns: (N,) float64 env return-to-go with R_L = 0 (no penalty).
+        cell: (N,) int64 cell of each step in [0, num_cells); truncated: (N,) bool,
+            True on the last step of a trajectory the turn budget cut.
+    Returns:
+        (N,) float64: that value on truncated steps, 0 elsewhere (`step_returns`' next_value).
+    """
+    _, value, _ = segment_mean_std(terminal_returns, cell, num_cells)
+    return torch.where(truncated, value[cell], torch.zeros_like(terminal_returns))
 
 
 def episode_returns(reward: torch.Tensor, layout: BatchLayout) -> torch.Tensor:

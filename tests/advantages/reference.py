@@ -4,7 +4,8 @@ Nothing here is vectorised or shared with the package: each function follows one
 equation of the SPEC over Python lists, so the package's tensor code can be checked
 against it on random batches.
 
-A step is a dict with keys: group, traj, t, reward, valid, anchor, key, hidden.
+A step is a dict with keys: group, traj, t, reward, valid, anchor, key, hidden, and
+optionally truncated (True on the last step of a trajectory the turn budget cut).
 """
 
 from __future__ import annotations
@@ -35,17 +36,35 @@ def trajectories(steps):
     return out
 
 
-def step_returns(steps, gamma, penalty):
+def env_returns(steps, gamma, after=None):
+    """R_t = r_t + γ R_{t+1} without the penalty; R_L = after[last step index] (default 0)."""
+    after = after or {}
     returns = [0.0] * len(steps)
     for idx in trajectories(steps).values():
-        running = 0.0
+        running = after.get(idx[-1], 0.0)
         for i in reversed(idx):
             running = steps[i]["reward"] + gamma * running
             returns[i] = running
-    for i, s in enumerate(steps):
-        if not s["valid"]:
-            returns[i] -= penalty
     return returns
+
+
+def penalties(steps, penalty):
+    return [0.0 if s["valid"] else penalty for s in steps]
+
+
+def step_returns(steps, gamma, penalty, after=None):
+    """SPEC §2: the penalty is subtracted after the recursion."""
+    return [r - p for r, p in zip(env_returns(steps, gamma, after), penalties(steps, penalty))]
+
+
+def truncation_values(steps, cells, gamma):
+    """R_L of each truncated trajectory, keyed by its last step: the mean terminal env
+    return over that step's cell (V̄(s_{L-1}) standing in for the unobserved s_L)."""
+    terminal = env_returns(steps, gamma)
+    groups = members_of(cells)
+    return {
+        i: mean([terminal[j] for j in groups[cells[i]]]) for i, s in enumerate(steps) if s.get("truncated", False)
+    }
 
 
 def episode_advantage(steps, norm, episode_stats, penalty):
@@ -133,11 +152,11 @@ def members_of(cells):
     return out
 
 
-def step_advantage(steps, cells, returns, baseline, norm, pace_norm, gamma, lam):
+def step_advantage(steps, cells, returns, baseline, norm, pace_norm, gamma, lam, penalty=0.0, after=None):
     groups = members_of(cells)
     adv = [0.0] * len(steps)
     if baseline == "gae":
-        return gae(steps, cells, returns, gamma, lam)
+        return gae(steps, cells, gamma, lam, penalty, after)
     for i, s in enumerate(steps):
         members = groups[cells[i]]
         if len(members) == 1:
@@ -163,26 +182,33 @@ def step_advantage(steps, cells, returns, baseline, norm, pace_norm, gamma, lam)
     return adv
 
 
-def grouped_gae(steps, cells, returns, gamma, lam):
-    """Â_t before normalisation, straight from the recursion."""
+def grouped_gae(steps, cells, gamma, lam, penalty=0.0, after=None):
+    """Â_t before normalisation, straight from the recursion on env rewards, then the
+    step's own penalty centred on its cell (the penalty is not a reward: no δ sees it).
+
+    `after`: R_L of truncated trajectories, keyed by their last step (V̄(s_L) there).
+    """
+    after = after or {}
     groups = members_of(cells)
-    value = [mean([returns[j] for j in groups[cells[i]]]) for i in range(len(steps))]
+    env = env_returns(steps, gamma, after)
+    pen = penalties(steps, penalty)
+    value = [mean([env[j] for j in groups[cells[i]]]) for i in range(len(steps))]
+    cell_penalty = [mean([pen[j] for j in groups[cells[i]]]) for i in range(len(steps))]
     raw = [0.0] * len(steps)
     for idx in trajectories(steps).values():
         running = 0.0
         for pos in reversed(range(len(idx))):
             i = idx[pos]
             nxt = idx[pos + 1] if pos + 1 < len(idx) else None
-            reward = returns[i] - gamma * (returns[nxt] if nxt is not None else 0.0)
-            next_value = value[nxt] if nxt is not None else 0.0
-            delta = reward + gamma * next_value - value[i]
+            next_value = value[nxt] if nxt is not None else after.get(i, 0.0)
+            delta = steps[i]["reward"] + gamma * next_value - value[i]
             running = delta + gamma * lam * running
-            raw[i] = running
+            raw[i] = running - (pen[i] - cell_penalty[i])
     return raw
 
 
-def gae(steps, cells, returns, gamma, lam):
-    raw = grouped_gae(steps, cells, returns, gamma, lam)
+def gae(steps, cells, gamma, lam, penalty=0.0, after=None):
+    raw = grouped_gae(steps, cells, gamma, lam, penalty, after)
     sizes = {c: len(m) for c, m in members_of(cells).items()}
     adv = [0.0] * len(steps)
     by_group = defaultdict(list)
@@ -213,6 +239,7 @@ def advantages(steps, settings, eps=None):
         cells = hash_cells(steps)
     else:
         cells, margin = hidden_cells(steps, eps)
-    returns = step_returns(steps, s.gamma, s.invalid_penalty)
-    st = step_advantage(steps, cells, returns, s.baseline, s.norm, s.pace_norm, s.gamma, s.lam)
+    after = truncation_values(steps, cells, s.gamma) if getattr(s, "bootstrap_truncated", False) else {}
+    returns = step_returns(steps, s.gamma, s.invalid_penalty, after)
+    st = step_advantage(steps, cells, returns, s.baseline, s.norm, s.pace_norm, s.gamma, s.lam, s.invalid_penalty, after)
     return [s.w_ep * a + s.w_step * b for a, b in zip(ep, st)], margin

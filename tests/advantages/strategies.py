@@ -34,6 +34,7 @@ def step_lists(draw, max_groups=4, max_traj=4, max_len=6, num_anchors=4, num_key
             traj = next(traj_ids)
             length = draw(st.integers(1, max_len))
             success = draw(st.sampled_from([0.0, 1.0]))
+            truncated = draw(st.booleans())  # the turn budget cut it (read only with bootstrap_truncated)
             for t in range(length):
                 if sparse:
                     reward = success if t == length - 1 else 0.0
@@ -51,6 +52,7 @@ def step_lists(draw, max_groups=4, max_traj=4, max_len=6, num_anchors=4, num_key
                         anchor=f"obs-{anchor}",
                         key=f"act-{draw(st.integers(0, num_keys - 1))}",
                         hidden=[scale * v for v in PROTOTYPES[proto]],
+                        truncated=truncated and t == length - 1,
                     )
                 )
     order = draw(st.permutations(range(len(steps))))
@@ -67,4 +69,5 @@ def to_batch(steps) -> StepBatch:
         anchor=[s["anchor"] for s in steps],
         action_key=[s["key"] for s in steps],
         hidden=torch.tensor([s["hidden"] for s in steps], dtype=torch.float32),
+        truncated=[s.get("truncated", False) for s in steps],
     )

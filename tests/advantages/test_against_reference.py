@@ -40,8 +40,11 @@ def check_against_reference(steps, est: EstimatorSettings, eps: float | None):
     penalty=st.sampled_from([0.0, 0.1]),
     weights=st.sampled_from([(1.0, 1.0), (0.0, 1.0), (1.0, 0.8)]),
     eps=st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]),
+    bootstrap=st.booleans(),
 )
-def test_matches_reference(partition, baseline, norm, steps, pace_norm, episode_stats, gamma, lam, penalty, weights, eps):
+def test_matches_reference(
+    partition, baseline, norm, steps, pace_norm, episode_stats, gamma, lam, penalty, weights, eps, bootstrap
+):
     est = EstimatorSettings(
         partition=partition,
         baseline=baseline,
@@ -54,6 +57,7 @@ def test_matches_reference(partition, baseline, norm, steps, pace_norm, episode_
         w_ep=weights[0],
         w_step=weights[1],
         cluster_eps=eps,
+        bootstrap_truncated=bootstrap,
     )
     check_against_reference(steps, est, eps if partition == "hidden" else None)
 
