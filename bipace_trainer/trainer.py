@@ -48,6 +48,7 @@ from envs.vector import VectorEnv
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .prompting import fit_prompt_ids
+from .micro_batches import piece_weights, split_rows
 from .hidden import PositionCapture, PrefillCapture, forward_hidden_states, resolve_layer_module
 from . import trajectories
 from .model_card import model_card
@@ -661,7 +662,28 @@ class BiPACETrainer(GRPOTrainer):
             # parameter (and its moments) untouched. DeepSpeed counts micro-steps inside
             # its backward, so under DeepSpeed the zero-advantage loss runs as usual.
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        pieces = split_rows(inputs, self.args.per_device_train_batch_size)
+        if len(pieces) == 1:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned
+        # for: run the loss piece by piece so activation memory is bounded by
+        # per_device_train_batch_size rows (micro_batches.py). Every piece but the last is
+        # back-propagated here without syncing gradients; Trainer.training_step back-propagates
+        # the last, which syncs them. Every rank has as many pieces (rows are padded to the
+        # largest count over ranks), so collective calls inside forward passes stay aligned.
+        weights = piece_weights(pieces, self.loss_type)
+        done = torch.zeros((), device=self.accelerator.device)
+        if not torch.is_grad_enabled():  # TRL's prediction_step: the loss only
+            return sum((super().compute_loss(model, p) * w for p, w in zip(pieces, weights)), done)
+        for piece, weight in zip(pieces[:-1], weights[:-1]):
+            with self.accelerator.no_sync(model):
+                loss = super().compute_loss(model, piece) * weight
+                if self.is_deepspeed_enabled:  # accumulate without DeepSpeed's optimizer step
+                    self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False, scale_wrt_gas=False)
+                else:
+                    self.accelerator.backward(loss)
+            done = done + loss.detach()
+        return super().compute_loss(model, pieces[-1]) * weights[-1] + done
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

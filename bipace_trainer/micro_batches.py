@@ -1,0 +1,90 @@
+"""Split one of TRL's micro-batches into pieces of at most `per_device_train_batch_size` rows.
+
+TRL sizes a micro-batch in *prompts*: a generation of `tasks_per_iteration ×
+num_generations` prompts is split `steps_per_generation` ways. In a multi-turn rollout
+every env step is a row, so one micro-batch holds up to `max_turns` times as many rows as
+TRL planned for (32 rows of ~450 tokens for 4 rollouts × 8 turns). The trainer runs
+TRL's loss on each piece and back-propagates it before the next, so activation memory
+is bounded by `per_device_train_batch_size` rows whatever the horizon.
+
+The pieces give the same gradient as the whole micro-batch: each piece's loss is
+weighted by its share of what TRL's `loss_type` averages over (`piece_weights`). Rows
+are ordered by length before they are cut, and each piece keeps only the columns its
+own rows use, so short steps are not padded to the longest step of the generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+# What each of TRL's loss types averages over (trl GRPOTrainer._compute_loss).
+_ROW_MEAN = ("grpo", "sapo", "dr_grpo", "luspo")  # a mean over rows
+_TOKEN_MEAN = ("bnpo",)  # a mean over the micro-batch's completion tokens
+_GLOBAL_NORMALISER = ("dapo", "cispo", "vespo")  # divided by the generation's token count: pieces just add up
+
+
+def split_rows(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """Cut a TRL micro-batch (row tensors of B rows) into pieces of at most `size` rows.
+
+    Row tensors are those whose first dimension is B; `prompt_ids`/`prompt_mask`
+    (left-padded) keep their last `max prompt length` columns, and every (B, T) tensor
+    aligned with `completion_ids` (right-padded: masks, old/ref/sampling log-probs,
+    importance ratios) its first `max completion length` columns (at least one). Anything
+    else (`num_items_in_batch`, scalars) is shared by every piece. Returns `[inputs]`
+    when the micro-batch already fits.
+    """
+    if size < 1:
+        raise ValueError(f"per_device_train_batch_size={size} must be at least 1.")
+    prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+    rows = prompt_mask.shape[0]
+    if rows <= size:
+        return [inputs]
+    width = inputs["completion_ids"].shape[1]
+    prompt_lengths = prompt_mask.sum(1)
+    completion_lengths = completion_mask.sum(1)
+    order = torch.argsort(prompt_lengths + completion_lengths, stable=True)
+    pieces = []
+    for start in range(0, rows, size):
+        index = order[start : start + size]
+        keep_prompt = max(int(prompt_lengths[index].max()), 1)
+        keep_completion = max(int(completion_lengths[index].max()), 1)
+        piece = {}
+        for key, value in inputs.items():
+            if not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows):
+                piece[key] = value
+                continue
+            value = value[index.to(value.device)]
+            if key in PROMPT_KEYS:
+                value = value[:, -keep_prompt:]
+            elif value.dim() == 2 and value.shape[1] == width:
+                value = value[:, :keep_completion]
+            piece[key] = value
+        pieces.append(piece)
+    return pieces
+
+
+def piece_weights(pieces: list[dict[str, Any]], loss_type: str) -> list[float]:
+    """The factor on each piece's TRL loss that makes their sum the whole micro-batch's loss.
+
+    Row means (`grpo`, `dr_grpo`, …) weigh a piece by its rows, `bnpo` by its completion
+    tokens, and the losses TRL already divides by the generation's token count (`dapo`,
+    the default) need no weight. The entropy bonus, a token mean, is weighted like the
+    policy loss: exact for `bnpo` and the global normalisers, by rows otherwise.
+    """
+    if len(pieces) == 1 or loss_type in _GLOBAL_NORMALISER:
+        return [1.0] * len(pieces)
+    if loss_type in _ROW_MEAN:
+        counts = [float(p["completion_mask"].shape[0]) for p in pieces]
+    elif loss_type in _TOKEN_MEAN:
+        counts = [float(p["completion_mask"].sum()) for p in pieces]
+    else:
+        raise ValueError(
+            f"loss_type={loss_type!r}: micro-batching does not know what it averages over; "
+            f"use one of {_ROW_MEAN + _TOKEN_MEAN + _GLOBAL_NORMALISER}."
+        )
+    total = sum(counts)
+    return [c / total if total else 0.0 for c in counts]
