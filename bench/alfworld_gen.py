@@ -1,8 +1,8 @@
 """Offline ALFWorld games: generation time and size, then reset/step/expert cost per task type.
 
-    python bench/alfworld_gen.py                      # default sizes, 2 games per type and split
-    python bench/alfworld_gen.py --train 24 --eval 8  # a bigger set
-    python bench/alfworld_gen.py --out bench/results/alfworld_gen.json
+    python -m bench.alfworld_gen                      # default sizes, 2 games per type and split
+    python -m bench.alfworld_gen --train 24 --eval 8  # a bigger set
+    python -m bench.alfworld_gen --out bench/results/alfworld_gen.json
 
 Generates into a fresh temporary cache (so the time is a cold generation), then plays
 `--games` games of every task type in each split with the planner expert, timing the first
@@ -18,15 +18,12 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from envs.alfworld import AlfWorldEnv  # noqa: E402
-from envs.alfworld_gen import SPLITS, TASK_TYPES, generated_data_dir  # noqa: E402
+from envs.alfworld import AlfWorldEnv
+from envs.alfworld_gen import SPLITS, TASK_TYPES, generated_data_dir
 
 
 def _size_mb(root: Path) -> float:

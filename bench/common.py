@@ -19,23 +19,19 @@ import os
 import platform
 import sqlite3
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
+from bipace_trainer.prompting import build_prompt
+from envs.base import StepResult, TaskSpec, TextEnv, make_env, register_env, resolve_env_class
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM  # noqa: E402
-
-from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2  # noqa: E402
-from bipace_trainer.prompting import build_prompt  # noqa: E402
-from envs.base import StepResult, TaskSpec, TextEnv, make_env, register_env, resolve_env_class  # noqa: E402
 
 # ---------------------------------------------------------------------- the tiny policy
 

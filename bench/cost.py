@@ -1,9 +1,9 @@
 """What a training step costs per preset, phase by phase, on one model and one batch.
 
-    OMP_NUM_THREADS=2 python bench/cost.py           # CPU: embedded SmolLM2-135M on TextCraft (~15 minutes)
-    OMP_NUM_THREADS=2 python bench/cost.py --quick   # CI size: tiny random model on the tiny env (~1 minute)
-    OMP_NUM_THREADS=1 python bench/cost.py --quick --vllm   # also the vLLM variants (where vLLM is installed)
-    python bench/cost.py --device cuda --model Qwen/Qwen2.5-1.5B-Instruct --tasks 4 --num-generations 8 \
+    OMP_NUM_THREADS=2 python -m bench.cost           # CPU: embedded SmolLM2-135M on TextCraft (~15 minutes)
+    OMP_NUM_THREADS=2 python -m bench.cost --quick   # CI size: tiny random model on the tiny env (~1 minute)
+    OMP_NUM_THREADS=1 python -m bench.cost --quick --vllm   # also the vLLM variants (where vLLM is installed)
+    python -m bench.cost --device cuda --model Qwen/Qwen2.5-1.5B-Instruct --tasks 4 --num-generations 8 \
         --max-turns 5 --max-completion-length 256 --steps 4
 
 Variants, trained one after another in this process: grpo, gigpo, bipace_q (hidden state
@@ -37,9 +37,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import common
 from transformers import AutoModelForCausalLM
 
+from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer, resolve_model_name

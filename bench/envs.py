@@ -1,7 +1,7 @@
 """Env throughput: reset and step time per engine, and VectorEnv backends side by side.
 
-    python bench/envs.py --quick                       # CI size, under a minute
-    python bench/envs.py --out bench/results/envs.json # the full run
+    python -m bench.envs --quick                       # CI size, under a minute
+    python -m bench.envs --out bench/results/envs.json # the full run
 
 Part 1, one env instance per engine: mean reset time, and mean step time while
 following the env's expert (its `invalid_action` when it has none). Engines: tiny,
@@ -41,14 +41,11 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import envs  # noqa: E402
-from envs import EnvUnavailableError, TinyEnv, VectorEnv, register_env  # noqa: E402
+import envs
+from envs import EnvUnavailableError, TinyEnv, VectorEnv, register_env
 
 ENGINES = ("tiny", "busy", "textcraft", "alfworld", "webshop", "scienceworld")
 BACKENDS = ("serial", "thread", "process")

@@ -1,7 +1,7 @@
 """Time every estimator preset, side by side with the GiGPO reference, and how time grows.
 
-    OMP_NUM_THREADS=2 python bench/estimators.py            # full run (~2-3 minutes)
-    python bench/estimators.py --quick                      # CI-sized (seconds)
+    OMP_NUM_THREADS=2 python -m bench.estimators            # full run (~2-3 minutes)
+    python -m bench.estimators --quick                      # CI-sized (seconds)
 
 Batches are synthetic but shaped like real rollouts: `groups` task groups × 8 rollouts
 × 50 steps, sparse terminal rewards, each step in one of 30 states per group (its
@@ -16,16 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bipace_trainer.advantages import (  # noqa: E402
+from bipace_trainer.advantages import (
     PRESETS,
     BatchLayout,
     StepBatch,
@@ -33,7 +29,9 @@ from bipace_trainer.advantages import (  # noqa: E402
     compute_advantages,
     resolve_settings,
 )
-from tests.advantages.gigpo_reference import gigpo_advantages  # noqa: E402
+from tests.advantages.gigpo_reference import gigpo_advantages
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ROLLOUTS, LENGTH, STATES = 8, 50, 30
 

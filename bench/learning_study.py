@@ -1,11 +1,11 @@
 """Learning comparison: GRPO, GiGPO, BiPACE_Q, GAGPO and BiGAGPO from one warm-started policy.
 
-    OMP_NUM_THREADS=1 python bench/learning_study.py                   # CPU study: tiny env, 5 seeds (~15 min)
-    OMP_NUM_THREADS=1 python bench/learning_study.py --quick           # CI size: tiny env, 1 seed (~1 min)
-    OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-envs   # TextCraft + ALFWorld, tiny model (see below)
-    OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-textcraft  # TextCraft, 256 x 4 model
-    OMP_NUM_THREADS=1 python bench/learning_study.py --size cpu-alfworld   # ALFWorld, 256 x 4 model
-    python bench/learning_study.py --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
+    OMP_NUM_THREADS=1 python -m bench.learning_study                   # CPU study: tiny env, 5 seeds (~15 min)
+    OMP_NUM_THREADS=1 python -m bench.learning_study --quick           # CI size: tiny env, 1 seed (~1 min)
+    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-envs   # TextCraft + ALFWorld, tiny model (see below)
+    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-textcraft  # TextCraft, 256 x 4 model
+    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-alfworld   # ALFWorld, 256 x 4 model
+    python -m bench.learning_study --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
 
 Per env:
 1. Warm start. SFT (TRL's SFTTrainer) of a small policy on expert and perturbed-expert
@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import common
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator, resolve_settings
 from bipace_trainer.demonstrations import collect_demonstrations

@@ -1,9 +1,9 @@
 """Estimator accuracy against an oracle, and grouping quality against the true state (no GPU, no training).
 
-    OMP_NUM_THREADS=1 python bench/oracle_study.py --env textcraft   # full size, one env per process
-    OMP_NUM_THREADS=1 python bench/oracle_study.py --env alfworld    # (~45 min together on a loaded 2-core machine)
-    OMP_NUM_THREADS=1 python bench/oracle_study.py --size ci         # CI size (~40 s of CPU, tiny random model)
-    python bench/oracle_study.py --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft   # full size, one env per process
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld    # (~45 min together on a loaded 2-core machine)
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci         # CI size (~40 s of CPU, tiny random model)
+    python -m bench.oracle_study --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
    TextCraft and ALFWorld (official games when $ALFWORLD_DATA has them, else generated ones),
@@ -56,12 +56,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import common
 import numpy as np
 import torch
-from oracle_metrics import cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement, value_error
-from oracle_truth import TRUTH, TruthBatch, truth_rollouts
 
+from bench import common
+from bench.oracle_metrics import cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement, value_error
+from bench.oracle_truth import TRUTH, TruthBatch, truth_rollouts
 from bipace_trainer.advantages import (
     PRESETS,
     BatchLayout,
@@ -659,7 +659,7 @@ def main() -> None:
     if os.environ.get("PYTHONHASHSEED") != "0":
         # TextCraft's task text (the order of its crafting commands) follows the process's string
         # hash seed, so prompts, episodes and hidden states would change from run to run.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], {**os.environ, "PYTHONHASHSEED": "0"})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--env", nargs="*", help="only these envs (default: all of the size)")

@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import common  # noqa: F401  (puts the repository root first on sys.path: bench/envs.py is not the envs package)
-
 from bipace_trainer.demonstrations import format_reply
 from bipace_trainer.rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
 from envs.base import StepResult, make_env

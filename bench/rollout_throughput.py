@@ -1,12 +1,12 @@
 """Rollout throughput: the multi-turn lockstep rollout against TRL's single-turn generation and one env at a time.
 
-    OMP_NUM_THREADS=2 python bench/rollout_throughput.py          # CPU run, TextCraft (~3 minutes)
-    OMP_NUM_THREADS=2 python bench/rollout_throughput.py --quick  # CI size, tiny env (~20 s)
-    python bench/rollout_throughput.py --device cuda --model Qwen/Qwen2.5-0.5B-Instruct \
+    OMP_NUM_THREADS=2 python -m bench.rollout_throughput          # CPU run, TextCraft (~3 minutes)
+    OMP_NUM_THREADS=2 python -m bench.rollout_throughput --quick  # CI size, tiny env (~20 s)
+    python -m bench.rollout_throughput --device cuda --model Qwen/Qwen2.5-0.5B-Instruct \
         --num-envs 1 8 32 128 --max-completion-length 128
     # the lockstep rollout generating with vLLM next to HF generate (run where vLLM is
     # installed, e.g. the venv of tests/vllm/make_venv.sh on a CPU)
-    OMP_NUM_THREADS=1 python bench/rollout_throughput.py --vllm --model embedded --num-envs 8 32 --max-turns 2 \
+    OMP_NUM_THREADS=1 python -m bench.rollout_throughput --vllm --model embedded --num-envs 8 32 --max-turns 2 \
         --max-completion-length 64
 
 One model, one tokenizer, the same first-turn prompts; three ways of generating, timed
@@ -40,10 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer

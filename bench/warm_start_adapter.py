@@ -1,7 +1,7 @@
 """Rebuild the warm-start adapter the main job ships, bit for bit, from the embedded model.
 
-    OMP_NUM_THREADS=1 python bench/warm_start_adapter.py            # rebuild warm_starts/smollm2-135m-textcraft
-    OMP_NUM_THREADS=1 python bench/warm_start_adapter.py --check    # rebuild in a temp dir, compare with the shipped one
+    OMP_NUM_THREADS=1 python -m bench.warm_start_adapter            # rebuild warm_starts/smollm2-135m-textcraft
+    OMP_NUM_THREADS=1 python -m bench.warm_start_adapter --check    # rebuild in a temp dir, compare with the shipped one
 
 `python train.py` loads `warm_starts/smollm2-135m-textcraft` (MAIN_JOB_DEFAULTS'
 `warm_start_from`) instead of training it, which would take most of its 10 minutes.
@@ -29,11 +29,9 @@ from pathlib import Path
 # hashing: fixed here (re-exec under PYTHONHASHSEED=0) so the demonstrations are the same text every run.
 if os.environ.get("PYTHONHASHSEED") != "0":
     os.environ["PYTHONHASHSEED"] = "0"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+    os.execv(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]])
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402

@@ -1,4 +1,5 @@
-"""The learning study, cost and rollout-throughput benches run at CI size and write the JSON they promise."""
+"""The learning study, cost and rollout-throughput benches run at CI size (`python -m bench.<name> --quick`)
+and write the JSON they promise."""
 
 from __future__ import annotations
 
@@ -11,24 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from bench import learning_study
+
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
 PRESETS = {"grpo", "gigpo", "bipace_q", "gagpo", "bigagpo"}
 
 
-def run(script: str, *args) -> str:
-    cmd = [sys.executable, str(ROOT / "bench" / script), "--quick", *map(str, args)]
+def run(module: str, *args) -> str:
+    """`python -m bench.<module> --quick ...` from the repository root, as the docs run it."""
+    cmd = [sys.executable, "-m", f"bench.{module}", "--quick", *map(str, args)]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
-
-
-def import_learning_study():
-    """bench/learning_study.py as a module (bench/ is not a package)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import learning_study
-
-    return learning_study
 
 
 def is_rate(value) -> bool:
@@ -37,7 +33,7 @@ def is_rate(value) -> bool:
 
 @pytest.mark.slow
 def test_learning_study(tmp_path):
-    printed = run("learning_study.py", "--out", tmp_path, "--work-dir", tmp_path / "work")
+    printed = run("learning_study", "--out", tmp_path, "--work-dir", tmp_path / "work")
     result = json.loads((tmp_path / "learning_study.json").read_text())
     assert (tmp_path / "learning_tiny.png").stat().st_size > 0
     env = result["envs"]["tiny"]
@@ -66,7 +62,7 @@ def test_learning_study(tmp_path):
         assert [(e["split"], e["step"]) for e in run_["evals"]] == [("valid", 2), ("valid", 3)]
 
     # --warm-only stops after the (here reused) warm start and writes it on its own
-    run("learning_study.py", "--out", tmp_path / "warm", "--work-dir", tmp_path / "work", "--resume", "--warm-only")
+    run("learning_study", "--out", tmp_path / "warm", "--work-dir", tmp_path / "work", "--resume", "--warm-only")
     warm = json.loads((tmp_path / "warm" / "learning_quick_tiny_warm.json").read_text())
     assert warm["evals"] == env["warm_start"]["evals"]
     assert not (tmp_path / "warm" / "learning_study.json").exists()
@@ -74,7 +70,7 @@ def test_learning_study(tmp_path):
 
 @pytest.mark.slow
 def test_cost(tmp_path):
-    run("cost.py", "--out", tmp_path / "cost.json")
+    run("cost", "--out", tmp_path / "cost.json")
     result = json.loads((tmp_path / "cost.json").read_text())
     assert (tmp_path / "cost.png").stat().st_size > 0
     assert result["same_batches"], "lr 0 and one seed must give every variant the same rollouts"
@@ -94,7 +90,7 @@ def test_cost(tmp_path):
 
 @pytest.mark.slow
 def test_rollout_throughput(tmp_path):
-    run("rollout_throughput.py", "--out", tmp_path / "throughput.json")
+    run("rollout_throughput", "--out", tmp_path / "throughput.json")
     result = json.loads((tmp_path / "throughput.json").read_text())
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert [row["num_envs"] for row in result["rows"]] == [1, 2, 4, 8]
@@ -105,8 +101,6 @@ def test_rollout_throughput(tmp_path):
 
 
 def test_learning_study_set_overrides_name_the_field():
-    learning_study = import_learning_study()
-
     args = learning_study.parse_args(["--set", "cluster_eps=0.05", "--set", "cluster_layer=-1", "--set", "preset=gigpo"])
     assert args.overrides == {"cluster_eps": 0.05, "cluster_layer": -1, "preset": "gigpo"}
     for bad in ("cluster_eps", "no_such_field=1"):
@@ -117,8 +111,6 @@ def test_learning_study_set_overrides_name_the_field():
 def test_every_study_size_builds_valid_rl_configs(tmp_path):
     """Each size's plans give a BiPACEConfig that passes validation (a typo in a size
     would otherwise surface only after its warm start, minutes or hours in)."""
-    learning_study = import_learning_study()
-
     for name, size in learning_study.SIZES.items():
         assert size.envs, name
         for plan in size.envs.values():
@@ -128,8 +120,6 @@ def test_every_study_size_builds_valid_rl_configs(tmp_path):
 
 
 def test_learning_study_step_overrides_reach_every_env():
-    learning_study = import_learning_study()
-
     args = learning_study.parse_args(["--size", "cpu-envs", "--rl-steps", "3", "--sft-steps", "7", "--envs", "textcraft"])
     size = learning_study.resolve_size(args)
     assert list(size.envs) == ["textcraft"]

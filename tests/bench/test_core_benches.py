@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def run(script, out, *extra):
-    cmd = [sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out), *extra]
+def run(module, out, *extra):
+    cmd = [sys.executable, "-m", f"bench.{module}", "--quick", "--out", str(out), *extra]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -23,7 +23,7 @@ def run(script, out, *extra):
 
 @pytest.mark.slow
 def test_estimator_benchmark(tmp_path):
-    result, printed = run("estimators.py", tmp_path / "estimators.json")
+    result, printed = run("estimators", tmp_path / "estimators.json")
     presets = {row["preset"] for row in result["presets"]}
     assert presets == {"grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo"}
     assert all(row["steps_per_s"] > 0 and row["reference_seconds"] > 0 for row in result["presets"])
@@ -34,5 +34,5 @@ def test_estimator_benchmark(tmp_path):
 
 @pytest.mark.slow
 def test_env_benchmark(tmp_path):
-    result, printed = run("envs.py", tmp_path / "envs.json")
+    result, printed = run("envs", tmp_path / "envs.json")
     assert result and "tiny" in json.dumps(result)

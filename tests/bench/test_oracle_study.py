@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import oracle_metrics, oracle_study
+from bench.oracle_truth import truth_rollouts
 
-import oracle_metrics  # noqa: E402
-import oracle_study  # noqa: E402
-from oracle_truth import truth_rollouts  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 GAMMA = 0.95
 
@@ -123,10 +121,11 @@ def test_pair_sign_agreement_hand_case():
 @pytest.mark.slow
 def test_oracle_study_ci_size(tmp_path):
     pytest.importorskip("alfworld")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "oracle_study.py"),
+        "-m",
+        "bench.oracle_study",
         "--size",
         "ci",
         "--out",
