@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import learning_study
+from bench.learning_plan import SIZES, rl_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -111,10 +112,10 @@ def test_learning_study_set_overrides_name_the_field():
 def test_every_study_size_builds_valid_rl_configs(tmp_path):
     """Each size's plans give a BiPACEConfig that passes validation (a typo in a size
     would otherwise surface only after its warm start, minutes or hours in)."""
-    for name, size in learning_study.SIZES.items():
+    for name, size in SIZES.items():
         assert size.envs, name
         for plan in size.envs.values():
-            config = learning_study.rl_config(plan, size, tmp_path, tmp_path / "run", preset="bipace_q")
+            config = rl_config(plan, size, tmp_path, tmp_path / "run", preset="bipace_q")
             assert config.max_steps == plan.rl_steps and config.eval_split == plan.eval_splits[0], name
             assert config.num_generations == plan.num_generations, name
 
@@ -125,4 +126,4 @@ def test_learning_study_step_overrides_reach_every_env():
     assert list(size.envs) == ["textcraft"]
     assert all(plan.rl_steps == 3 and plan.sft_steps == 7 for plan in size.envs.values())
     untouched = learning_study.resolve_size(learning_study.parse_args(["--size", "cpu-envs"]))
-    assert untouched.envs == learning_study.SIZES["cpu-envs"].envs
+    assert untouched.envs == SIZES["cpu-envs"].envs
