@@ -33,18 +33,20 @@ Rewards beyond +-MAX_ABS_REWARD are a bad result too: the estimator squares them
 float32, where 1e39 is already infinite. An env that calls `sys.exit()` fails its
 episode like one that raises.
 
-Backends:
-- "serial" (the default): one env after another. With a `step_timeout` the calls run
+Backends (`EnvBackend` subclasses, registered by name in `BACKENDS`; each runs a batch of
+calls under this contract and VectorEnv counts and records the failures the same way for
+all of them; add one with `@register_backend("name")` or pass the class as `backend`):
+- "serial" (the default, `SerialBackend`): one env after another. With a `step_timeout` the calls run
   on one helper thread that the calling thread watches, so a hang past the timeout
   ends its episode exactly as in "thread"; with `step_timeout=None` they run in the
   calling thread itself (for engines that must stay on the main thread).
-- "thread": a pool of daemon threads. Suits engines that wait on another process
+- "thread" (`ThreadBackend`): a pool of daemon threads. Suits engines that wait on another process
   (ScienceWorld's JVM), since the GIL is released while waiting. A call past the
   timeout is abandoned with its env: the stuck thread gets an exception raised into
   it (which stops a busy Python loop; a call blocked in C code stops when it returns),
   a replacement thread takes its place, and the env is closed and rebuilt for the
   next reset.
-- "process": `num_workers` worker processes (started with "spawn", so no state is
+- "process" (`ProcessBackend`): `num_workers` worker processes (started with "spawn", so no state is
   inherited and CUDA or threads in the trainer are safe), env i living in worker
   i % num_workers and each worker running its envs one after another. A worker whose
   current env runs past the timeout, or that dies, is killed and respawned; the
@@ -75,15 +77,31 @@ import traceback
 import weakref
 from collections import Counter, deque
 from concurrent.futures import ALL_COMPLETED, Future, wait
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
 
 from .base import EnvUnavailableError, StepResult, TextEnv, resolve_env_class
 
-__all__ = ["VectorEnv", "EnvFailure", "failure_result", "sanitize_result", "FAILURE_ANCHOR"]
+__all__ = [
+    "VectorEnv",
+    "EnvFailure",
+    "failure_result",
+    "sanitize_result",
+    "FAILURE_ANCHOR",
+    "BACKENDS",
+    "EnvBackend",
+    "Batch",
+    "CallFailure",
+    "EnvSlot",
+    "SerialBackend",
+    "ThreadBackend",
+    "ProcessBackend",
+    "register_backend",
+    "resolve_backend",
+]
 
 FAILURE_ANCHOR = "<env failure>"
-BACKENDS = ("serial", "thread", "process")
 _MAX_REASON_CHARS = 300
 ENORMOUS_FACTOR = 8  # observations beyond 8 x max_observation_chars end the episode as failed
 MAX_ABS_REWARD = 1e6  # larger rewards end the episode as failed: squared in float32 they overflow
@@ -112,14 +130,14 @@ class EnvFailure:
 
 
 @dataclass(frozen=True)
-class _CallFailure:
-    """What a call returns instead of a `StepResult` when the env failed."""
+class CallFailure:
+    """What a call returns instead of a `StepResult` when the env failed (`kind` as in `EnvFailure`)."""
 
     kind: str
     reason: str
 
 
-class _Unavailable(_CallFailure):
+class _Unavailable(CallFailure):
     """The env could not be built for lack of a dependency: a setup error, raised to the caller."""
 
 
@@ -192,25 +210,34 @@ def sanitize_result(result: Any, max_observation_chars: int) -> StepResult:
 
 
 class _EnvFactory:
-    """Builds one env: `env(**env_kwargs)`. Picklable when `env` is (a class, or a module-level function)."""
+    """Builds one env: `env(**env_kwargs)`. Picklable when `env` is (a class, or a module-level function).
 
-    def __init__(self, env: type[TextEnv] | Callable[..., TextEnv], env_kwargs: dict[str, Any]):
+    `described` is the env as the user gave it (a registry name, a class...), for messages.
+    """
+
+    def __init__(self, env: type[TextEnv] | Callable[..., TextEnv], env_kwargs: dict[str, Any], described: str = ""):
         self.env = env
         self.env_kwargs = env_kwargs
+        self.described = described or repr(env)
 
     def __call__(self) -> TextEnv:
         return self.env(**self.env_kwargs)
 
 
-class _Slot:
-    """One env position: builds its env on demand, runs calls, drops the env when it fails."""
+class EnvSlot:
+    """One env position: builds its env on demand, runs calls, drops the env when it fails.
+
+    `call` is where the failure contract is kept for one env: whatever the env does, it
+    returns a sanitised `StepResult` or a `CallFailure`. Backends run slots; they add only
+    what a slot cannot see from inside its call (a timeout, a dead worker).
+    """
 
     def __init__(self, factory: _EnvFactory, max_observation_chars: int):
         self.factory = factory
         self.max_observation_chars = max_observation_chars
         self.env: TextEnv | None = None
 
-    def call(self, method: str, arg: Any) -> StepResult | _CallFailure:
+    def call(self, method: str, arg: Any) -> StepResult | CallFailure:
         """Run env.reset(arg) or env.step(arg). Never raises."""
         if self.env is None:
             try:
@@ -218,17 +245,17 @@ class _Slot:
             except EnvUnavailableError as err:
                 return _Unavailable("unavailable", str(err))
             except (Exception, SystemExit) as err:
-                return _CallFailure("build_error", _short(f"{type(err).__name__}: {err}"))
+                return CallFailure("build_error", _short(f"{type(err).__name__}: {err}"))
         try:
             raw = getattr(self.env, method)(arg)
         except (Exception, SystemExit) as err:  # an engine calling sys.exit() must not end the training run
             self.discard()
-            return _CallFailure("exception", _short(f"{method} raised {type(err).__name__}: {err}"))
+            return CallFailure("exception", _short(f"{method} raised {type(err).__name__}: {err}"))
         try:
             result = sanitize_result(raw, self.max_observation_chars)
         except ValueError as err:
             self.discard()
-            return _CallFailure("bad_result", _short(f"{method} {err}"))
+            return CallFailure("bad_result", _short(f"{method} {err}"))
         if method == "reset":
             # The task text is an attribute of the env, out of the caller's reach when the
             # env lives in a worker process: it travels in the reset result.
@@ -309,7 +336,7 @@ class _DaemonThreadPool:
                 try:
                     value = job.fn()
                 except BaseException as err:  # e.g. an engine calling sys.exit(): fail the call, keep the thread
-                    value = _CallFailure("exception", _short(f"{type(err).__name__}: {err}"))
+                    value = CallFailure("exception", _short(f"{type(err).__name__}: {err}"))
                 with self._lock:
                     job.future.set_result(value)
                     retired = job in self._abandoned
@@ -330,7 +357,7 @@ def _worker_main(conn, factory: _EnvFactory, env_indices: list[int], max_observa
     """Worker process loop: receive (method, [(env index, arg), ...]), send one (index, outcome) per call."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the workers
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    slots = {index: _Slot(factory, max_observation_chars) for index in env_indices}
+    slots = {index: EnvSlot(factory, max_observation_chars) for index in env_indices}
     exit_code = 0
     try:
         conn.send("ready")
@@ -350,7 +377,7 @@ def _worker_main(conn, factory: _EnvFactory, env_indices: list[int], max_observa
                     return
                 except Exception as err:  # the env put something unpicklable in its result
                     slots[index].discard()
-                    conn.send((index, _CallFailure("bad_result", _short(f"{method} result cannot be sent: {err}"))))
+                    conn.send((index, CallFailure("bad_result", _short(f"{method} result cannot be sent: {err}"))))
     except BaseException:
         traceback.print_exc()
         exit_code = 1
@@ -425,15 +452,275 @@ class _Worker:
         self.conn.close()
 
 
-def _shutdown(slots: list[_Slot], pool: _DaemonThreadPool | None, workers: list[_Worker]) -> None:
-    for worker in workers:  # ask all at once, then wait: the workers close their envs in parallel
-        worker.ask_to_stop()
-    for worker in workers:
-        worker.stop()
-    if pool is not None:
-        pool.shutdown()
-    for slot in slots:
-        slot.discard()
+Outcome = StepResult | CallFailure  # what one call gives back, under the failure contract
+
+
+@dataclass
+class Batch:
+    """What a backend gives back for one batch of calls.
+
+    Attributes:
+        outcomes: env index -> the outcome of its call, one per call of the batch.
+        dropped: env index -> the failure, for envs the batch did not fail through their
+            own call but whose instance it dropped all the same (a worker process killed
+            for another env takes its envs along). VectorEnv ends an episode they were
+            running: in this batch when they are in it, at their next step otherwise.
+    """
+
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    dropped: dict[int, CallFailure] = field(default_factory=dict)
+
+
+BACKENDS: dict[str, type[EnvBackend]] = {}
+
+
+def register_backend(name: str):
+    """Register an `EnvBackend` subclass under `name` (decorator), for `VectorEnv(backend=name)`."""
+
+    def decorator(cls: type[EnvBackend]) -> type[EnvBackend]:
+        BACKENDS[name] = cls
+        if not vars(cls).get("name"):  # not the name a parent backend was registered under
+            cls.name = name
+        return cls
+
+    return decorator
+
+
+class EnvBackend(ABC):
+    """How a `VectorEnv` runs a batch of calls: in turn, on threads, in worker processes...
+
+    Every backend keeps the failure contract of the module docstring. `run(method, calls)`
+    calls `env.reset(arg)` or `env.step(arg)` for each `(env index, arg)` of `calls` and
+    gives back one outcome per call, never raising for anything an env does. `EnvSlot.call`
+    keeps the contract inside a call (exceptions, bad results, the env's build); a backend
+    adds what only it can see: a call past `step_timeout` (kind "timeout") and what its
+    own machinery loses (a dead worker: "worker_died", and `Batch.dropped`). VectorEnv
+    does the rest the same way for every backend: counting, recording, the failure
+    result, raising `EnvUnavailableError`.
+
+    VectorEnv builds its backend once, `backend(factory, num_envs, num_workers=...,
+    step_timeout=..., max_observation_chars=...)` (`factory()` builds one env;
+    `num_workers` None asks for the backend's default), and calls `close` once, also when
+    it is garbage collected: a backend must hold no reference to its VectorEnv. Register
+    yours with `@register_backend("name")`, or pass the class as `VectorEnv(backend=...)`.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        factory: Callable[[], TextEnv],
+        num_envs: int,
+        *,
+        num_workers: int | None = None,
+        step_timeout: float | None = 60.0,
+        max_observation_chars: int = 8000,
+    ):
+        self.factory = factory
+        self.num_envs = num_envs
+        self.step_timeout = step_timeout
+        self.max_observation_chars = max_observation_chars
+        self.num_workers = 1  # threads or processes the envs run on; set by each backend
+
+    def new_slot(self) -> EnvSlot:
+        """A fresh env position, whose env is built at its first call."""
+        return EnvSlot(self.factory, self.max_observation_chars)
+
+    @abstractmethod
+    def run(self, method: str, calls: dict[int, Any]) -> Batch:
+        """Run `env.<method>(arg)` for every (env index, arg) of `calls`; one outcome each."""
+
+    def close(self) -> None:
+        """Close every env and stop every thread or process."""
+
+
+class _InProcessBackend(EnvBackend):
+    """Envs in this process, one `EnvSlot` each, their calls run on a pool of daemon threads
+    that the calling thread watches for the timeout; with no pool, in the calling thread."""
+
+    def __init__(self, factory, num_envs, *, num_threads: int, step_timeout, max_observation_chars):
+        super().__init__(factory, num_envs, step_timeout=step_timeout, max_observation_chars=max_observation_chars)
+        self.slots = [self.new_slot() for _ in range(num_envs)]
+        self.pool = _DaemonThreadPool(num_threads) if num_threads else None
+
+    def run(self, method: str, calls: dict[int, Any]) -> Batch:
+        if self.pool is None:
+            return Batch({i: self.slots[i].call(method, arg) for i, arg in calls.items()})
+        jobs = {
+            i: self.pool.submit(functools.partial(self.slots[i].call, method, arg), self.slots[i].discard)
+            for i, arg in calls.items()
+        }
+        outcomes: dict[int, Outcome] = {}
+        while jobs:
+            now = time.monotonic()
+            for i, job in list(jobs.items()):
+                if job.future.done():
+                    outcomes[i] = job.future.result()
+                    del jobs[i]
+                elif self._timed_out(job.started_at, now) and self.pool.abandon(job):
+                    # The stuck thread keeps the old slot and closes its env if it ever returns.
+                    self.slots[i] = self.new_slot()
+                    outcomes[i] = CallFailure("timeout", f"{method} did not return within {self.step_timeout} s")
+                    del jobs[i]
+            if jobs:
+                # Wake when all are done or the earliest running call is due: one wait per
+                # batch in the common case, not one per finished call.
+                wait(
+                    [job.future for job in jobs.values()],
+                    timeout=self._wait_time([job.started_at for job in jobs.values()], now),
+                    return_when=ALL_COMPLETED,
+                )
+        return Batch(outcomes)
+
+    def _timed_out(self, started_at: float | None, now: float) -> bool:
+        return self.step_timeout is not None and started_at is not None and now - started_at > self.step_timeout
+
+    def _wait_time(self, started: list[float | None], now: float) -> float:
+        """Seconds until the earliest running call times out (at most 1 s, to notice calls that start)."""
+        if self.step_timeout is None:
+            return 1.0
+        deadlines = [t + self.step_timeout - now for t in started if t is not None]
+        return max(0.0, min([1.0, *deadlines])) if deadlines else 1.0
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        for slot in self.slots:
+            slot.discard()
+
+
+@register_backend("serial")
+class SerialBackend(_InProcessBackend):
+    """One env after another. With a `step_timeout` on one helper thread, so that a hang
+    ends its episode as in "thread"; without one in the calling thread itself, for engines
+    that must stay on the main thread. `num_workers` is ignored."""
+
+    def __init__(self, factory, num_envs, *, num_workers=None, step_timeout=60.0, max_observation_chars=8000):
+        super().__init__(
+            factory,
+            num_envs,
+            num_threads=0 if step_timeout is None else 1,
+            step_timeout=step_timeout,
+            max_observation_chars=max_observation_chars,
+        )
+
+
+@register_backend("thread")
+class ThreadBackend(_InProcessBackend):
+    """`num_workers` daemon threads (default min(num_envs, 32)); abandons a hung call with its env."""
+
+    def __init__(self, factory, num_envs, *, num_workers=None, step_timeout=60.0, max_observation_chars=8000):
+        threads = min(num_envs, num_workers or 32)
+        super().__init__(
+            factory, num_envs, num_threads=threads, step_timeout=step_timeout, max_observation_chars=max_observation_chars
+        )
+        self.num_workers = threads
+
+
+@register_backend("process")
+class ProcessBackend(EnvBackend):
+    """`num_workers` spawned worker processes (default min(num_envs, cpu count)), env i in
+    worker i % num_workers; a worker late on a call, or dead, is killed and respawned."""
+
+    def __init__(self, factory, num_envs, *, num_workers=None, step_timeout=60.0, max_observation_chars=8000):
+        super().__init__(factory, num_envs, step_timeout=step_timeout, max_observation_chars=max_observation_chars)
+        try:
+            pickle.dumps(factory)
+        except Exception as err:
+            described = getattr(factory, "described", repr(factory))
+            raise ValueError(
+                f"VectorEnv env={described} with backend='process': the env and env_kwargs must be picklable "
+                f"to reach the worker processes ({err}). Pass a registry name or a module-level class."
+            ) from err
+        self.num_workers = min(num_envs, num_workers or os.cpu_count() or 1)
+        self._context = multiprocessing.get_context("spawn")
+        self.workers = [self._start_worker(w) for w in range(self.num_workers)]
+
+    def run(self, method: str, calls: dict[int, Any]) -> Batch:
+        batch = Batch()
+        now = time.monotonic()
+        for w, worker in enumerate(self.workers):
+            mine = [(i, calls[i]) for i in worker.env_indices if i in calls]
+            if not mine:
+                continue
+            try:
+                worker.conn.send((method, mine))
+            except OSError:  # died between batches
+                worker.owed = [i for i, _ in mine]
+                self._replace_worker(w, "worker_died", f"worker exited with code {worker.process.exitcode}", batch)
+                continue
+            worker.owed = [i for i, _ in mine]
+            worker.current_since = now
+        while True:
+            busy = [(w, worker) for w, worker in enumerate(self.workers) if worker.owed]
+            if not busy:
+                return batch
+            deadlines = [d for _, worker in busy if (d := worker.deadline(self.step_timeout)) is not None]
+            wait_time = min([1.0, *(d - time.monotonic() for d in deadlines)])
+            ready = multiprocessing.connection.wait([worker.conn for _, worker in busy], timeout=max(0.0, wait_time))
+            for w, worker in busy:
+                if worker.conn in ready:
+                    self._receive(w, worker, batch)
+                elif (late := worker.overdue(self.step_timeout, time.monotonic())) is not None:
+                    self._replace_worker(w, "timeout", f"{method} {late}", batch)
+
+    def close(self) -> None:
+        for worker in self.workers:  # ask all at once, then wait: the workers close their envs in parallel
+            worker.ask_to_stop()
+        for worker in self.workers:
+            worker.stop()
+
+    def _start_worker(self, w: int) -> _Worker:
+        return _Worker(
+            self._context, self.factory, list(range(w, self.num_envs, self.num_workers)), self.max_observation_chars
+        )
+
+    def _receive(self, w: int, worker: _Worker, batch: Batch) -> None:
+        """Take every outcome the worker has sent so far."""
+        while worker.owed:
+            try:
+                if not worker.conn.poll():
+                    return
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                worker.process.join(1.0)
+                self._replace_worker(w, "worker_died", f"worker exited with code {worker.process.exitcode}", batch)
+                return
+            if message == "ready":
+                worker.ready = True
+                worker.current_since = time.monotonic()
+                continue
+            i, outcome = message
+            batch.outcomes[i] = outcome
+            worker.owed.remove(i)
+            worker.current_since = time.monotonic()
+
+    def _replace_worker(self, w: int, kind: str, reason: str, batch: Batch) -> None:
+        """Kill worker w and start a fresh one; its envs are dropped with it."""
+        worker = self.workers[w]
+        culprit = worker.owed[0]
+        batch.outcomes[culprit] = CallFailure(kind, reason)
+        collateral = CallFailure("worker_restarted", f"worker restarted after env {culprit} failed ({kind})")
+        for i in worker.owed[1:]:
+            batch.outcomes[i] = collateral
+        for i in worker.env_indices:
+            if i not in worker.owed:  # answered in this batch, or not in it
+                batch.dropped[i] = collateral
+        worker.owed = []
+        worker.process.kill()
+        worker.stop(grace=1.0)
+        self.workers[w] = self._start_worker(w)
+
+
+def resolve_backend(backend: str | type[EnvBackend]) -> type[EnvBackend]:
+    """The backend class registered under `backend`, or `backend` itself when it is one."""
+    if isinstance(backend, type) and issubclass(backend, EnvBackend):
+        return backend
+    if isinstance(backend, str) and backend in BACKENDS:
+        return BACKENDS[backend]
+    raise ValueError(
+        f"VectorEnv backend={backend!r}: use one of {tuple(BACKENDS)}, or an envs.vector.EnvBackend subclass."
+    )
 
 
 class VectorEnv:
@@ -444,7 +731,8 @@ class VectorEnv:
             subclass, or a callable returning a `TextEnv`.
         num_envs: number of env instances.
         env_kwargs: keyword arguments for each env.
-        backend: "serial", "thread" or "process".
+        backend: "serial", "thread", "process" (module docstring), another name in
+            `BACKENDS` (`register_backend`), or an `EnvBackend` subclass.
         num_workers: threads or processes; default min(num_envs, 32) threads or
             min(num_envs, cpu count) processes. Ignored by "serial".
         step_timeout: seconds one reset or step may take before its episode fails
@@ -457,13 +745,12 @@ class VectorEnv:
         env: str | type[TextEnv] | Callable[[], TextEnv],
         num_envs: int,
         env_kwargs: dict[str, Any] | None = None,
-        backend: str = "serial",
+        backend: str | type[EnvBackend] = "serial",
         num_workers: int | None = None,
         step_timeout: float | None = 60.0,
         max_observation_chars: int = 8000,
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"VectorEnv backend={backend!r}: use one of {BACKENDS}.")
+        backend_class = resolve_backend(backend)
         if num_envs < 1:
             raise ValueError(f"VectorEnv num_envs={num_envs}: need at least one env.")
         if step_timeout is not None and step_timeout <= 0:
@@ -471,7 +758,7 @@ class VectorEnv:
         if num_workers is not None and num_workers < 1:
             raise ValueError(f"VectorEnv num_workers={num_workers}: use a positive number, or None for the default.")
         self.num_envs = num_envs
-        self.backend = backend
+        self.backend = vars(backend_class).get("name") or backend_class.__name__
         self.step_timeout = step_timeout
         self.max_observation_chars = max_observation_chars
         env_class = resolve_env_class(env) if isinstance(env, str) else env
@@ -479,7 +766,7 @@ class VectorEnv:
             raise ValueError(
                 f"VectorEnv env={env!r}: pass a registry name, a TextEnv class or a factory, not an instance."
             )
-        self._factory = _EnvFactory(env_class, dict(env_kwargs or {}))
+        self._factory = _EnvFactory(env_class, dict(env_kwargs or {}), described=repr(env))
 
         self.num_failures = 0
         self.failure_counts: Counter[str] = Counter()
@@ -487,28 +774,17 @@ class VectorEnv:
         self._calls: Counter[str] = Counter()
         self._seconds: Counter[str] = Counter()
         self._in_episode = [False] * num_envs
-        self._lost: dict[int, str] = {}  # env index -> why its running episode was lost off-batch
+        self._lost: dict[int, CallFailure] = {}  # env index -> how its running episode was lost off-batch
 
-        self._slots: list[_Slot] = []
-        self._pool: _DaemonThreadPool | None = None
-        self._workers: list[_Worker] = []
-        if backend == "process":
-            try:
-                pickle.dumps(self._factory)
-            except Exception as err:
-                raise ValueError(
-                    f"VectorEnv env={env!r} with backend='process': the env and env_kwargs must be picklable "
-                    f"to reach the worker processes ({err}). Pass a registry name or a module-level class."
-                ) from err
-            self.num_workers = min(num_envs, num_workers or os.cpu_count() or 1)
-            self._context = multiprocessing.get_context("spawn")
-            self._workers = [self._start_worker(w) for w in range(self.num_workers)]
-        else:
-            self.num_workers = 1 if backend == "serial" else min(num_envs, num_workers or 32)
-            self._slots = [_Slot(self._factory, max_observation_chars) for _ in range(num_envs)]
-            if backend == "thread" or step_timeout is not None:  # serial: one watched helper thread
-                self._pool = _DaemonThreadPool(self.num_workers)
-        self._finalizer = weakref.finalize(self, _shutdown, self._slots, self._pool, self._workers)
+        self._backend = backend_class(
+            self._factory,
+            num_envs,
+            num_workers=num_workers,
+            step_timeout=step_timeout,
+            max_observation_chars=max_observation_chars,
+        )
+        self.num_workers = self._backend.num_workers
+        self._finalizer = weakref.finalize(self, self._backend.close)
 
     # ------------------------------------------------------------------ public API
 
@@ -526,8 +802,8 @@ class VectorEnv:
         calls = {i: str(action) for i, action in enumerate(actions) if action is not None}
         lost = {i: self._lost.pop(i) for i in list(calls) if i in self._lost}
         results = self._run("step", {i: a for i, a in calls.items() if i not in lost})
-        for i, reason in lost.items():
-            results[i] = self._record(i, "step", _CallFailure("worker_restarted", reason))
+        for i, failure in lost.items():
+            results[i] = self._record(i, "step", failure)
         return results
 
     def counters(self) -> dict[str, Any]:
@@ -579,23 +855,30 @@ class VectorEnv:
         if not self._finalizer.alive:
             raise RuntimeError("VectorEnv is closed; build a new one.")
         start = time.perf_counter()
-        if self.backend == "process":
-            outcomes = self._run_processes(method, calls)
-        elif self._pool is not None:  # "thread", or "serial" with a timeout to enforce
-            outcomes = self._run_threads(method, calls)
-        else:
-            outcomes = {i: self._slots[i].call(method, arg) for i, arg in calls.items()}
+        batch = self._backend.run(method, calls)
         self._seconds[method] += time.perf_counter() - start
         self._calls[method] += len(calls)
-        unavailable = [outcome for outcome in outcomes.values() if isinstance(outcome, _Unavailable)]
+        self._end_dropped_episodes(batch)
+        unavailable = [outcome for outcome in batch.outcomes.values() if isinstance(outcome, _Unavailable)]
         if unavailable:
             raise EnvUnavailableError(unavailable[0].reason)
         results: list[StepResult | None] = [None] * self.num_envs
-        for i, outcome in outcomes.items():
+        for i, outcome in batch.outcomes.items():
             results[i] = self._record(i, method, outcome)
         return results
 
-    def _record(self, i: int, phase: str, outcome: StepResult | _CallFailure) -> StepResult:
+    def _end_dropped_episodes(self, batch: Batch) -> None:
+        """A dropped env's running episode is over: now if this batch answered it, else at its next step."""
+        for i, failure in batch.dropped.items():
+            if i in batch.outcomes:
+                outcome = batch.outcomes[i]
+                if isinstance(outcome, StepResult) and not outcome.done:
+                    batch.outcomes[i] = failure
+            elif self._in_episode[i]:
+                self._lost[i] = failure
+                self._in_episode[i] = False
+
+    def _record(self, i: int, phase: str, outcome: StepResult | CallFailure) -> StepResult:
         if isinstance(outcome, StepResult):
             self._in_episode[i] = not outcome.done
             return outcome
@@ -605,115 +888,15 @@ class VectorEnv:
         self.failures.append(EnvFailure(i, phase, outcome.kind, outcome.reason))
         return failure_result(f"{outcome.kind}: {outcome.reason}")
 
-    def _run_threads(self, method: str, calls: dict[int, Any]) -> dict[int, StepResult | _CallFailure]:
-        assert self._pool is not None
-        jobs = {
-            i: self._pool.submit(functools.partial(self._slots[i].call, method, arg), self._slots[i].discard)
-            for i, arg in calls.items()
-        }
-        outcomes: dict[int, StepResult | _CallFailure] = {}
-        while jobs:
-            now = time.monotonic()
-            for i, job in list(jobs.items()):
-                if job.future.done():
-                    outcomes[i] = job.future.result()
-                    del jobs[i]
-                elif self._timed_out(job.started_at, now) and self._pool.abandon(job):
-                    # The stuck thread keeps the old slot and closes its env if it ever returns.
-                    self._slots[i] = _Slot(self._factory, self.max_observation_chars)
-                    outcomes[i] = _CallFailure("timeout", f"{method} did not return within {self.step_timeout} s")
-                    del jobs[i]
-            if jobs:
-                # Wake when all are done or the earliest running call is due: one wait per
-                # batch in the common case, not one per finished call.
-                wait(
-                    [job.future for job in jobs.values()],
-                    timeout=self._wait_time([job.started_at for job in jobs.values()], now),
-                    return_when=ALL_COMPLETED,
-                )
-        return outcomes
+    # What tests and debugging reach for: the backend's env slots, thread pool and worker processes.
+    @property
+    def _slots(self) -> list[EnvSlot]:
+        return getattr(self._backend, "slots", [])
 
-    def _timed_out(self, started_at: float | None, now: float) -> bool:
-        return self.step_timeout is not None and started_at is not None and now - started_at > self.step_timeout
+    @property
+    def _pool(self) -> _DaemonThreadPool | None:
+        return getattr(self._backend, "pool", None)
 
-    def _wait_time(self, started: list[float | None], now: float) -> float:
-        """Seconds until the earliest running call times out (at most 1 s, to notice calls that start)."""
-        if self.step_timeout is None:
-            return 1.0
-        deadlines = [t + self.step_timeout - now for t in started if t is not None]
-        return max(0.0, min([1.0, *deadlines])) if deadlines else 1.0
-
-    def _start_worker(self, w: int) -> _Worker:
-        return _Worker(
-            self._context, self._factory, list(range(w, self.num_envs, self.num_workers)), self.max_observation_chars
-        )
-
-    def _run_processes(self, method: str, calls: dict[int, Any]) -> dict[int, StepResult | _CallFailure]:
-        outcomes: dict[int, StepResult | _CallFailure] = {}
-        now = time.monotonic()
-        for w, worker in enumerate(self._workers):
-            mine = [(i, calls[i]) for i in worker.env_indices if i in calls]
-            if not mine:
-                continue
-            try:
-                worker.conn.send((method, mine))
-            except OSError:  # died between batches
-                worker.owed = [i for i, _ in mine]
-                self._replace_worker(w, "worker_died", f"worker exited with code {worker.process.exitcode}", outcomes)
-                continue
-            worker.owed = [i for i, _ in mine]
-            worker.current_since = now
-        while True:
-            busy = [(w, worker) for w, worker in enumerate(self._workers) if worker.owed]
-            if not busy:
-                return outcomes
-            deadlines = [d for _, worker in busy if (d := worker.deadline(self.step_timeout)) is not None]
-            wait_time = min([1.0, *(d - time.monotonic() for d in deadlines)])
-            ready = multiprocessing.connection.wait([worker.conn for _, worker in busy], timeout=max(0.0, wait_time))
-            for w, worker in busy:
-                if worker.conn in ready:
-                    self._receive(w, worker, outcomes)
-                elif (late := worker.overdue(self.step_timeout, time.monotonic())) is not None:
-                    self._replace_worker(w, "timeout", f"{method} {late}", outcomes)
-
-    def _receive(self, w: int, worker: _Worker, outcomes: dict[int, StepResult | _CallFailure]) -> None:
-        """Take every outcome the worker has sent so far."""
-        while worker.owed:
-            try:
-                if not worker.conn.poll():
-                    return
-                message = worker.conn.recv()
-            except (EOFError, OSError):
-                worker.process.join(1.0)
-                self._replace_worker(w, "worker_died", f"worker exited with code {worker.process.exitcode}", outcomes)
-                return
-            if message == "ready":
-                worker.ready = True
-                worker.current_since = time.monotonic()
-                continue
-            i, outcome = message
-            outcomes[i] = outcome
-            worker.owed.remove(i)
-            worker.current_since = time.monotonic()
-
-    def _replace_worker(self, w: int, kind: str, reason: str, outcomes: dict[int, StepResult | _CallFailure]) -> None:
-        """Kill worker w and start a fresh one; every episode it held ends as failed."""
-        worker = self._workers[w]
-        culprit = worker.owed[0]
-        outcomes[culprit] = _CallFailure(kind, reason)
-        collateral = f"worker restarted after env {culprit} failed ({kind})"
-        for i in worker.owed[1:]:
-            outcomes[i] = _CallFailure("worker_restarted", collateral)
-        for i in worker.env_indices:
-            if i == culprit or i in worker.owed:
-                continue
-            if i in outcomes:  # already answered in this batch: only a still-running episode is lost
-                if isinstance(outcomes[i], StepResult) and not outcomes[i].done:
-                    outcomes[i] = _CallFailure("worker_restarted", collateral)
-            elif self._in_episode[i]:
-                self._lost[i] = collateral
-                self._in_episode[i] = False
-        worker.owed = []
-        worker.process.kill()
-        worker.stop(grace=1.0)
-        self._workers[w] = self._start_worker(w)
+    @property
+    def _workers(self) -> list[_Worker]:
+        return getattr(self._backend, "workers", [])

@@ -17,7 +17,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from envs import EnvUnavailableError, StepResult, TinyEnv, VectorEnv
-from envs.vector import FAILURE_ANCHOR, MAX_ABS_REWARD, sanitize_result
+from envs.vector import (
+    BACKENDS,
+    FAILURE_ANCHOR,
+    MAX_ABS_REWARD,
+    Batch,
+    CallFailure,
+    EnvBackend,
+    ProcessBackend,
+    SerialBackend,
+    ThreadBackend,
+    register_backend,
+    sanitize_result,
+)
 
 TIMEOUT = 1.0
 
@@ -387,3 +399,84 @@ def test_process_workers_end_on_close_and_on_garbage_collection():
     del vec
     gc.collect()
     assert not any(process.is_alive() for process in processes)
+
+
+# ---------------------------------------------------------------------- backends as objects
+
+
+class InlineBackend(EnvBackend):
+    """A user's backend in a few lines: the calls in reverse order in the calling thread, each batch recorded."""
+
+    batches: list[tuple[str, list[int]]] = []
+
+    def __init__(self, factory, num_envs, **settings):
+        super().__init__(factory, num_envs, **settings)
+        self.slots = [self.new_slot() for _ in range(num_envs)]
+
+    def run(self, method, calls):
+        InlineBackend.batches.append((method, sorted(calls)))
+        return Batch({i: self.slots[i].call(method, calls[i]) for i in reversed(list(calls))})
+
+    def close(self):
+        for slot in self.slots:
+            slot.discard()
+
+
+def test_a_user_backend_class_gets_the_same_failure_handling():
+    InlineBackend.batches.clear()
+    FlakyEnv.closed.clear()
+    with VectorEnv(FlakyEnv, 3, backend=InlineBackend) as vec:
+        assert vec.backend == "InlineBackend" and vec.num_workers == 1
+        vec.reset([2, 2, 2])
+        results = vec.step(["right", "raise", None])
+        _assert_healthy(vec, results, [0])
+        _assert_failed(results[1], "exception")
+        assert results[2] is None
+        assert vec.failure_counts == {"exception": 1} and vec.metrics()["env/steps"] == 2.0
+        envs_left = [slot.env for slot in vec._slots if slot.env is not None]
+    assert InlineBackend.batches == [("reset", [0, 1, 2]), ("step", [0, 1])]
+    assert len(envs_left) == 2 and all(env in FlakyEnv.closed for env in envs_left)  # close() reached the backend
+
+
+def test_backends_are_registered_by_name():
+    assert BACKENDS["serial"] is SerialBackend and BACKENDS["thread"] is ThreadBackend
+    assert BACKENDS["process"] is ProcessBackend
+
+    @register_backend("inline-test")
+    class NamedInline(InlineBackend):
+        pass
+
+    try:
+        with VectorEnv("tiny", 2, backend="inline-test") as vec:
+            assert vec.backend == "inline-test" and vec.reset([0, 1])[1].info["task"] == "reach cell 2."
+    finally:
+        del BACKENDS["inline-test"]
+    with pytest.raises(ValueError, match="backend=<class 'envs.tiny.TinyEnv'>: use one of"):
+        VectorEnv("tiny", 2, backend=TinyEnv)  # type: ignore[arg-type]
+
+
+class DroppingBackend(InlineBackend):
+    """Drops every env's instance at the first step batch, as a killed worker process does."""
+
+    def run(self, method, calls):
+        batch = super().run(method, calls)
+        if method == "step" and not getattr(self, "dropped_once", False):
+            self.dropped_once = True
+            failure = CallFailure("worker_restarted", "worker restarted after env 3 failed (timeout)")
+            batch.dropped = {i: failure for i in range(self.num_envs)}
+        return batch
+
+
+def test_dropped_envs_lose_only_their_running_episodes():
+    with VectorEnv(FlakyEnv, 4, backend=DroppingBackend) as vec:
+        vec.reset([2, 2, 0, 2])  # env 2: start 0, goal 1
+        results = vec.step(["right", None, "right", None])  # env 2 wins; envs 1 and 3 sit it out
+        _assert_failed(results[0], "worker_restarted")  # answered mid-episode: over in this batch
+        assert results[2].won and "env_failure" not in results[2].info  # its episode had ended anyway
+        assert results[1] is None and results[3] is None
+        later = vec.step([None, "right", None, "right"])
+        _assert_failed(later[1], "worker_restarted")  # its episode was lost: it learns at its next step
+        _assert_failed(later[3], "worker_restarted")
+        assert vec.failure_counts == {"worker_restarted": 3}
+        assert vec.metrics()["env/steps"] == 2.0  # the lost episodes' steps never reached the backend
+        assert vec.reset([2] * 4)[1].observation == "You are at cell 0. The goal is cell 3, to your right."
