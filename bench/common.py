@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.prompting import build_prompt
-from envs.base import StepResult, TaskSpec, TextEnv, make_env, register_env, resolve_env_class
+from envs.base import StepResult, TaskSpec, TextEnv, make_env, normalise_action, register_env, resolve_env_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +138,9 @@ class MemoEnv(TextEnv):
 
     @staticmethod
     def normalise(action: str) -> str:
-        return " ".join(str(action).lower().split())
+        # The command ALFWorld and TextCraft give their engines; an inner env that keeps
+        # case (ScienceWorld, WebShop's arguments) would want normalise_action(action, lower=False).
+        return normalise_action(action)
 
     def reset(self, task_id: int) -> StepResult:
         self._path = (int(task_id),)
