@@ -177,7 +177,7 @@ def end_run(trainer: BiPACETrainer) -> None:
 
 def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
     """Fail before loading weights if `cluster_layer` is out of range for the model."""
-    if training_args.estimator.partition != "hidden":
+    if "hidden" not in training_args.estimator.partition_kind.needs:
         return
     config = AutoConfig.from_pretrained(model_name, trust_remote_code=training_args.trust_remote_code)
     layers = config.get_text_config().num_hidden_layers

@@ -13,9 +13,9 @@ from trl import GRPOConfig
 
 from envs.base import EnvUnavailableError, resolve_env_class
 
-from .advantages import PRESETS, EstimatorSettings, resolve_settings
+from .advantages import PRESETS, EstimatorSettings, SettingsError, resolve_settings
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS"]
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
@@ -27,13 +27,37 @@ _PRESET_HELP = ", ".join(
     for name, values in PRESETS.items()
 )
 
+# BiPACEConfig field → the `EstimatorSettings` field it sets: the one place the two names meet.
+# Each defaults to None here ("the preset's value"), so a preset, built in or registered, is
+# honoured unless a recipe or flag sets the field.
+ESTIMATOR_FIELDS = {
+    "step_partition": "partition",
+    "step_baseline": "baseline",
+    "advantage_norm": "norm",
+    "pace_norm": "pace_norm",
+    "w_ep": "w_ep",
+    "w_step": "w_step",
+    "step_gamma": "gamma",
+    "gae_lambda": "lam",
+    "invalid_action_penalty": "invalid_penalty",
+    "episode_stats": "episode_stats",
+    "cluster_eps": "cluster_eps",
+    "target_singleton_rate": "target_singleton_rate",
+    "max_cluster_eps": "max_cluster_eps",
+    "recalibrate_eps_every": "recalibrate_every",
+    "importance_sampling_level": "importance_sampling_level",
+    "bootstrap_truncated": "bootstrap_truncated",
+}
+
+_CONFIG_FIELD = {theirs: ours for ours, theirs in ESTIMATOR_FIELDS.items()}
+
 # The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
 FIELD_GROUPS = {
     "step-level advantage estimator": (
         "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
         "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
         "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
-        "importance_sampling_level",
+        "importance_sampling_level", "bootstrap_truncated",
     ),
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
@@ -68,21 +92,26 @@ class BiPACEConfig(GRPOConfig):
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo` (or one added with
-        `bipace_trainer.advantages.register_preset`). Every field below left at `None`
-        takes the preset's value.
-    step_partition (`str` or `None`): state partition, `none`, `hash` or `hidden`.
+        `bipace_trainer.advantages.register_preset`). Every estimator field below left at
+        `None` takes the preset's value (`ESTIMATOR_FIELDS` maps each to its
+        `EstimatorSettings` name; the defaults in brackets are every built-in preset's).
+    step_partition (`str` or `None`): state partition, `none`, `hash` or `hidden`, or one added
+        with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
     step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff` or `gae`.
     advantage_norm (`str` or `None`): `mean_std` or `mean`, for the episode term and the
         `mean` baseline. pace_norm (`str` or `None`): the same for the PACE baselines.
     w_ep, w_step (`float` or `None`): weights of the episode and step terms.
-    step_gamma (`float`, 0.95): discount of step returns. gae_lambda (`float` or `None`): GAE λ.
-    invalid_action_penalty (`float`, 0.1): subtracted from an invalid step's return.
+    step_gamma (`float` or `None` [0.95]): discount of step returns. gae_lambda (`float` or `None`): GAE λ.
+    invalid_action_penalty (`float` or `None` [0.1]): subtracted from an invalid step's return.
     episode_stats (`str` or `None`): `trajectory`, or `steps` for GiGPO reference compatibility.
     cluster_layer (`int`, -8): hidden-state layer of the `hidden` partition, indexed like
         `output_hidden_states` (0 = embeddings, -1 = last layer after the final norm).
-    cluster_eps (`str`, `"auto"`): cosine-distance threshold, a float or `auto`.
-    target_singleton_rate, max_cluster_eps, recalibrate_eps_every: what `auto` aims for,
-        its cap, and how often it re-calibrates (0: once, on the first batch).
+    cluster_eps (`str` or `None` [`"auto"`]): cosine-distance threshold, a float or `auto`.
+    target_singleton_rate, max_cluster_eps, recalibrate_eps_every (`None` [0.2, 0.3, 0]): what
+        `auto` aims for, its cap, and how often it re-calibrates (0: once, on the first batch).
+    bootstrap_truncated (`bool` or `None` [False]): a trajectory the turn budget cut (`max_turns`)
+        bootstraps its last step from the value proxy instead of ending with return 0
+        (GiGPO's choice, the default); see `bipace_trainer.advantages.returns`.
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
@@ -137,10 +166,13 @@ class BiPACEConfig(GRPOConfig):
     w_step: float | None = field(
         default=None, metadata={"help": f"Weight of the step-level advantage (GiGPO's ω; {_GIGPO})."}
     )
-    step_gamma: float = field(default=0.95, metadata={"help": "Discount γ of step returns (papers: 0.95)."})
+    step_gamma: float | None = field(
+        default=None, metadata={"help": "Discount γ of step returns; None: the preset's (0.95, as the papers)."}
+    )
     gae_lambda: float | None = field(default=None, metadata={"help": "GAE λ of the gae baseline (GAGPO)."})
-    invalid_action_penalty: float = field(
-        default=0.1, metadata={"help": "Subtracted from an invalid step's return after discounting (GiGPO: 0.1)."}
+    invalid_action_penalty: float | None = field(
+        default=None,
+        metadata={"help": "Subtracted from an invalid step's return after discounting; None: the preset's (0.1, GiGPO)."},
     )
     episode_stats: str | None = field(
         default=None, metadata={"help": "trajectory | steps (GiGPO reference compatibility)."}
@@ -149,10 +181,18 @@ class BiPACEConfig(GRPOConfig):
         default=-8,
         metadata={"help": f"Hidden layer for BiGPO clustering, output_hidden_states index (paper: -8 of 28 for 7B). {_BIPACE}"},
     )
-    cluster_eps: str = field(default="auto", metadata={"help": "Cosine-distance threshold ε (float) or 'auto'."})
-    target_singleton_rate: float = field(default=0.2, metadata={"help": "Singleton rate 'auto' calibrates ε to."})
-    max_cluster_eps: float = field(default=0.3, metadata={"help": "Upper bound of the calibrated ε."})
-    recalibrate_eps_every: int = field(default=0, metadata={"help": "Re-calibrate 'auto' ε every k steps (0: once)."})
+    cluster_eps: str | None = field(
+        default=None, metadata={"help": "Cosine-distance threshold ε (float) or 'auto'; None: the preset's ('auto')."}
+    )
+    target_singleton_rate: float | None = field(
+        default=None, metadata={"help": "Singleton rate 'auto' calibrates ε to; None: the preset's (0.2)."}
+    )
+    max_cluster_eps: float | None = field(
+        default=None, metadata={"help": "Upper bound of the calibrated ε; None: the preset's (0.3)."}
+    )
+    recalibrate_eps_every: int | None = field(
+        default=None, metadata={"help": "Re-calibrate 'auto' ε every k steps (0: once); None: the preset's (0)."}
+    )
     hidden_capture: str = field(
         default="hook",
         metadata={
@@ -163,6 +203,13 @@ class BiPACEConfig(GRPOConfig):
     importance_sampling_level: str | None = field(
         default=None,
         metadata={"help": "token | sequence; None takes the preset's (sequence for GAGPO presets)."},
+    )
+    bootstrap_truncated: bool | None = field(
+        default=None,
+        metadata={
+            "help": "true: a trajectory cut by max_turns bootstraps its last step from the value proxy instead of "
+            "ending with return 0; None: the preset's (false, as GiGPO)."
+        },
     )
 
     # Rollout
@@ -325,28 +372,9 @@ class BiPACEConfig(GRPOConfig):
                 )
 
     def _resolve_estimator(self) -> EstimatorSettings:
-        eps: Any = self.cluster_eps
-        if isinstance(eps, str) and eps != "auto":
-            try:
-                eps = float(eps)
-            except ValueError:
-                raise ValueError(f"cluster_eps={self.cluster_eps!r}: give a float in [0, 2] or 'auto'.") from None
-        settings = resolve_settings(
-            self.preset,
-            partition=self.step_partition,
-            baseline=self.step_baseline,
-            norm=self.advantage_norm,
-            pace_norm=self.pace_norm,
-            w_ep=self.w_ep,
-            w_step=self.w_step,
-            gamma=self.step_gamma,
-            lam=self.gae_lambda,
-            invalid_penalty=self.invalid_action_penalty,
-            episode_stats=self.episode_stats,
-            cluster_eps=eps,
-            target_singleton_rate=self.target_singleton_rate,
-            max_cluster_eps=self.max_cluster_eps,
-            recalibrate_every=self.recalibrate_eps_every,
-            importance_sampling_level=self.importance_sampling_level,
-        )
-        return settings
+        """The preset's settings with every estimator field set here on top (`ESTIMATOR_FIELDS`)."""
+        try:
+            return resolve_settings(self.preset, **{theirs: getattr(self, ours) for ours, theirs in ESTIMATOR_FIELDS.items()})
+        except SettingsError as err:
+            ours = _CONFIG_FIELD.get(err.field, err.field)
+            raise ValueError(str(err) if ours == err.field else f"{ours}: {err}") from None

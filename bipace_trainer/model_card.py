@@ -131,7 +131,7 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
     args = trainer.args
     base, hub_id = _base_model(getattr(trainer.model.config, "_name_or_path", "") or "")
     est = args.estimator
-    eps = trainer.estimator.cluster_eps if trainer.estimator.cluster_eps is not None else est.cluster_eps
+    eps = trainer.estimator.eps_in_use  # the estimator's own account: calibrated, fixed, or its fallback
     peft = getattr(trainer.model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()
@@ -162,7 +162,7 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
         "## Estimator",
         f"- preset: `{args.preset}`; partition `{est.partition}`, baseline `{est.baseline}`, "
         f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.gamma}, norm `{est.norm}`",
-        f"- cluster layer {args.cluster_layer}, ε {eps}",
+        f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
         "",
         "## Evaluation",
         *_evaluation(trainer),

@@ -149,6 +149,7 @@ class Rollout:
         hidden = None
         if steps and all(s.hidden is not None for s in steps):
             hidden = torch.stack([s.hidden for s in steps])
+        last_of_cut = {e.traj: e.length - 1 for e in self.episodes if e.truncated}  # the turn budget ended these
         return StepBatch(
             group=[s.group for s in steps],
             traj=[s.traj for s in steps],
@@ -158,6 +159,7 @@ class Rollout:
             anchor=[s.anchor for s in steps],
             action_key=[s.action_key for s in steps],
             hidden=hidden,
+            truncated=[last_of_cut.get(s.traj) == s.t for s in steps],
         )
 
     def metrics(self) -> dict[str, float]:

@@ -258,7 +258,7 @@ class BiPACETrainer(GRPOTrainer):
             callbacks=callbacks,
         )
         self.estimator = StepAdvantageEstimator(args.estimator)
-        self.needs_hidden = args.estimator.partition == "hidden" and args.estimator.has_step_term
+        self.needs_hidden = "hidden" in args.estimator.rollout_needs
         if self.needs_hidden:
             resolve_layer_module(self._policy_module(), args.cluster_layer)  # fails early on a bad layer
         self._task_attributes = {
