@@ -13,7 +13,7 @@ from trl import GRPOConfig
 
 from envs.base import EnvUnavailableError, resolve_env_class
 
-from .advantages import PRESETS, EstimatorSettings, SettingsError, resolve_settings
+from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS"]
 
@@ -22,7 +22,7 @@ _GIGPO = "https://arxiv.org/abs/2505.10978"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
-    f"{name} ({'no' if values['partition'] == 'none' else values['partition']} partition"
+    f"{name} ({values['partition'] if PARTITIONS[values['partition']].has_cells else 'no'} partition"
     + (f", {values['baseline']} baseline)" if values.get("baseline") else ")")
     for name, values in PRESETS.items()
 )
