@@ -22,13 +22,8 @@ checkpointing, vLLM and DeepSpeed plumbing):
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
-import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +32,9 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
-from transformers import ProgressCallback, TrainerCallback
-from transformers.trainer_utils import rotate_checkpoints
+from transformers import ProgressCallback
 from trl import GRPOTrainer
-from trl.trainer.utils import RepeatSampler, pad
+from trl.trainer.utils import pad
 
 from envs.base import resolve_env_class, stratified_subset
 from envs.vector import VectorEnv
@@ -50,7 +44,10 @@ from .config import BiPACEConfig
 from .prompting import fit_prompt_ids
 from .micro_batches import piece_weights, split_rows
 from .hidden import PositionCapture, PrefillCapture, forward_hidden_states, resolve_layer_module
-from . import trajectories
+from . import checkpointing, evaluation, trajectories
+from .callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
+from .checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
+from .evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
 from .model_card import model_card
 from .models import load_tokenizer, resolve_model_name
 from .rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
@@ -62,16 +59,12 @@ from .vllm_backend import (
     install_cpu_weight_loading,
 )
 
-__all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward"]
+__all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "bipace_state.json"
-BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
-ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
 # A run stops once every episode of this many generations in a row failed (env broken, not flaky).
 MAX_ALL_FAILED_GENERATIONS = 3
-EVAL_FILE = "eval_results.json"
 _DUMMY_PROMPT = [{"role": "user", "content": "."}]
 
 
@@ -104,105 +97,6 @@ class _CrossRankSync:
             return value
         tensor = torch.tensor([value], device=self.accelerator.device)
         return int(self.accelerator.gather(tensor).max())
-
-
-class _EvaluationCallback(TrainerCallback):
-    def __init__(self, trainer: "BiPACETrainer"):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if args.evaluate_before_training and state.global_step == 0:
-            self.trainer.evaluate_policy(tag="before")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if args.eval_interval and state.global_step % args.eval_interval == 0 and state.global_step < state.max_steps:
-            self.trainer.evaluate_policy(tag="interval")
-
-
-class _FinalEvaluationCallback(TrainerCallback):
-    """The final evaluation, placed before every other callback: the trackers' own
-    `on_train_end` finishes their runs, and the evaluation still logs (TRL's profiling too)."""
-
-    def __init__(self, trainer: "BiPACETrainer"):
-        self.trainer = trainer
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if not self.trainer.interrupted:  # a preempted run saves and leaves; it evaluates after resuming
-            self.trainer.evaluate_policy(tag="final")
-
-
-class TrainingInterrupted(BaseException):
-    """SIGTERM that could not wait for the end of a step (a second SIGTERM, or one during
-    the final evaluation). A BaseException, so no `except Exception` in an env swallows it."""
-
-
-class _GracefulStopCallback(TrainerCallback):
-    """On SIGTERM (a scheduler's preemption notice), finish the current step, save a
-    checkpoint and stop, instead of dying mid-step. A hung env cannot hold the step
-    forever: every backend ends a call at `env_step_timeout`. A second SIGTERM, or one
-    once the last step is done and saved (during the final evaluation), stops at once,
-    but never inside a checkpoint save. SIGKILL cannot be caught: atomic checkpoint
-    writes (`BiPACETrainer._save_checkpoint`) keep the last one loadable."""
-
-    def __init__(self, trainer: "BiPACETrainer"):
-        self.trainer = trainer
-        self._requested = False
-        self._training_over = False
-        self._previous = None
-
-    def _request_stop(self, signum, frame):
-        self.trainer.interrupted = True
-        state = self.trainer.state
-        trained = bool(state.max_steps) and state.global_step >= state.max_steps and not self.trainer._saving
-        if self._requested or self._training_over or trained:
-            raise TrainingInterrupted(f"SIGTERM at step {self.trainer.state.global_step}")
-        self._requested = True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._requested = self._training_over = False
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._request_stop)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer._sync.any(self._requested):  # every rank stops at the same step
-            self.trainer.interrupted = True
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self._training_over = True
-
-    def restore_handler(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
-class _NumericProgressCallback(ProgressCallback):
-    """transformers' progress bar, printing each logged value as a number: its own `on_log`
-    formats floats into strings, so every value showed quoted ({'loss': '0.0123'})."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and self.training_bar is not None:
-            shown = {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in logs.items() if k != "total_flos"}
-            self.training_bar.write(str(shown))
-
-
-class _EpochSeededRepeatSampler(RepeatSampler):
-    """TRL's `RepeatSampler` whose task order in epoch e depends on (seed, e) alone.
-
-    TRL seeds the generator once and draws one permutation per epoch, so a resumed run
-    (a new sampler) replayed the first epoch's order. `set_epoch(e)` (called by the
-    Trainer before each epoch, resumed or not) reseeds and draws the e earlier
-    permutations: the same orders as TRL's, and a resumed run continues them exactly.
-    """
-
-    def set_epoch(self, epoch: int) -> None:
-        if not self.shuffle or self.seed is None:
-            return
-        self.generator.manual_seed(self.seed)
-        for _ in range(epoch):
-            torch.randperm(self.num_samples, generator=self.generator)
 
 
 class BiPACETrainer(GRPOTrainer):
@@ -288,12 +182,12 @@ class BiPACETrainer(GRPOTrainer):
         self._last_env_failure = ""
         self._checkpoint_staging: str | None = None
         self._saving = False
-        self._graceful_stop = _GracefulStopCallback(self)
-        self.add_callback(self._graceful_stop)  # first: see its docstring
-        self.add_callback(_EvaluationCallback(self))
-        self.callback_handler.callbacks.insert(0, _FinalEvaluationCallback(self))
+        self._graceful_stop = GracefulStopCallback(self)
+        self.add_callback(self._graceful_stop)
+        self.add_callback(EvaluationCallback(self))
+        self.callback_handler.callbacks.insert(0, FinalEvaluationCallback(self))
         if self.callback_handler.pop_callback(ProgressCallback) is not None:
-            self.add_callback(_NumericProgressCallback)
+            self.add_callback(NumericProgressCallback)
 
     # ------------------------------------------------------------------ generation
 
@@ -479,15 +373,8 @@ class BiPACETrainer(GRPOTrainer):
         return output
 
     def _get_train_sampler(self, dataset=None):
-        trl_sampler = super()._get_train_sampler(dataset)
-        return _EpochSeededRepeatSampler(
-            data_source=trl_sampler.data_source,
-            mini_repeat_count=trl_sampler.mini_repeat_count,
-            batch_size=trl_sampler.batch_size,
-            repeat_count=trl_sampler.repeat_count,
-            shuffle=trl_sampler.shuffle,
-            seed=trl_sampler.seed,
-        )
+        """TRL's sampler, reseeded per epoch so that a resumed run draws the same task order."""
+        return checkpointing.EpochSeededRepeatSampler.like(super()._get_train_sampler(dataset))
 
     # ------------------------------------------------------------------ the seam
 
@@ -761,128 +648,36 @@ class BiPACETrainer(GRPOTrainer):
                 f"Rollout dump at step {step} failed ({type(err).__name__}: {err}); skipped, training continues."
             )
 
-    # ------------------------------------------------------------------ evaluation
+    # ------------------------------------------------------------------ evaluation (`evaluation`)
 
-    def eval_task_refs(self) -> list[TaskRef]:
-        specs = self.env_class.tasks(self.args.eval_split, **self.args.env_kwargs)
-        specs = stratified_subset(specs, self.args.eval_tasks, self.env_class.report_key, "eval_tasks")
-        repeats = self.args.eval_rollouts_per_task
-        return [
-            TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, spec in enumerate(specs) for _ in range(repeats)
-        ]
+    def eval_task_refs(self, split: str | None = None) -> list[TaskRef]:
+        """The rollouts one evaluation of `split` (default `eval_split`) plays."""
+        return evaluation.eval_task_refs(self.env_class, split or self.args.eval_split, self.args)
 
-    @torch.no_grad()
-    def evaluate_policy(self, tag: str = "manual") -> dict[str, Any]:
-        """Success rate on the held-out tasks at `eval_temperature`, overall and per task type.
+    def evaluate_policy(self, tag: str = "manual", split: str | None = None) -> dict[str, Any]:
+        """Success rate on the held-out tasks of `split` (default `eval_split`) at `eval_temperature`,
+        overall and per task type: logged, appended to `eval_history` and `<output_dir>/eval_results.json`,
+        and returned (`evaluation.evaluate_policy`). Every rank must call it. The evaluation
+        callbacks call it with tag "before", "interval" and "final"; a subclass may override it."""
+        return evaluation.evaluate_policy(self, tag=tag, split=split or self.args.eval_split)
 
-        Every rank plays its share of the tasks; the result is logged, appended to
-        `<output_dir>/eval_results.json` by the main process, and returned.
-        """
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        shard = self.eval_task_refs()[rank::world]
-        was_training = self.model.training
-        self.model.eval()
-        start = time.perf_counter()
-        try:
-            with self._sampling_temperature(self.args.eval_temperature):
-                rollout = self._rollout("eval", shard, traj_offset=rank * len(shard))
-        finally:
-            self.model.train(was_training)
-        records = [
-            {"task_id": e.task_id, "won": e.won, "length": e.length, "failed": e.failed, **e.attributes}
-            | {"invalid_steps": e.invalid_steps}
-            | ({"score": e.score or 0.0} if getattr(self.env_class, "reports_score", False) else {})
-            for e in rollout.episodes[: len(shard)]
-        ]
-        self._record_trajectories(rollout, tag=tag)
-        records = gather_object(records) if world > 1 else records
-        result = summarise_evaluation(records, self.env_class.report_key)
-        result.update(step=self.state.global_step, tag=tag, seconds=time.perf_counter() - start)
-        self.eval_history.append(result)
-        logs = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k not in ("step",)}
-        if tag == "final":
-            self.log(logs)
-        else:
-            for key, value in logs.items():
-                self._metrics["train"][key].append(float(value))
-        if self.accelerator.is_main_process:
-            path = Path(self.args.output_dir) / EVAL_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.eval_history, indent=2))
-        return result
-
-    # ------------------------------------------------------------------ checkpoints and card
+    # ------------------------------------------------------------------ checkpoints and card (`checkpointing`, `model_card`)
 
     def _get_output_dir(self, trial):
         return self._checkpoint_staging or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
-        self._saving = True  # a SIGTERM now waits for the save to end (`_GracefulStopCallback`)
+        """TRL's checkpoint, written atomically with the run's own state (`checkpointing.save_atomically`)."""
+        trl_save = super()._save_checkpoint
+        self._saving = True  # a SIGTERM now waits for the save to end (`callbacks.GracefulStopCallback`)
         try:
-            self._save_checkpoint_atomically(model, trial)
+            checkpointing.save_atomically(self, Path(super()._get_output_dir(trial)), lambda: trl_save(model, trial))
         finally:
             self._saving = False
 
-    def _save_checkpoint_atomically(self, model, trial):
-        """Write the checkpoint into a staging folder, then rename it into place.
-
-        A kill during the save (SIGKILL, OOM, preemption) leaves only the staging
-        folder, which resuming ignores and the next save clears: `checkpoint-N` either
-        exists complete, estimator state included, or not at all. A checkpoint taken
-        while one generation still feeds further optimizer steps also holds each rank's
-        buffered samples and TRL's micro-step counter, so resuming trains on the same
-        samples instead of generating new ones.
-        """
-        run_dir = Path(super()._get_output_dir(trial))
-        staging = run_dir / ".staging"
-        name = f"checkpoint-{self.state.global_step}"
-        if self.accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self._checkpoint_staging = str(staging)
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._checkpoint_staging = None
-        if self.args.should_save:
-            state = {"estimator": self.estimator.state_dict(), "eval_history": self.eval_history}
-            (staging / name / STATE_FILE).write_text(json.dumps(state))
-        if "train" in self._vector_envs:
-            counters = self._vector_envs["train"].counters()
-            path = staging / name / ENV_COUNTERS_FILE.format(rank=self.accelerator.process_index)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(counters))
-        if self._step % (self.args.steps_per_generation * self.num_iterations) and self._buffered_inputs is not None:
-            (staging / name).mkdir(parents=True, exist_ok=True)
-            buffer = {"step": self._step, "buffered_inputs": self._buffered_inputs}
-            torch.save(buffer, staging / name / BUFFER_FILE.format(rank=self.accelerator.process_index))
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            shutil.rmtree(run_dir / name, ignore_errors=True)  # a re-save of the same step after a resume
-            os.replace(staging / name, run_dir / name)
-            shutil.rmtree(staging, ignore_errors=True)
-            if self.args.should_save:
-                rotate_checkpoints(
-                    output_dir=str(run_dir),
-                    save_total_limit=self.args.save_total_limit,
-                    best_model_checkpoint=self.state.best_model_checkpoint,
-                    use_mtime=True,
-                )
-        self.accelerator.wait_for_everyone()
-
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and (Path(checkpoint) / STATE_FILE).exists():
-            state = json.loads((Path(checkpoint) / STATE_FILE).read_text())
-            self.estimator.load_state_dict(state["estimator"])
-            self.eval_history = state.get("eval_history", [])
-        counters_path = Path(checkpoint or "") / ENV_COUNTERS_FILE.format(rank=self.accelerator.process_index)
-        if checkpoint is not None and counters_path.exists():
-            self._resumed_env_counters = json.loads(counters_path.read_text())
-        buffer_path = Path(checkpoint or "") / BUFFER_FILE.format(rank=self.accelerator.process_index)
-        if checkpoint is not None and buffer_path.exists():  # saved mid-generation
-            buffer = torch.load(buffer_path, map_location=self.accelerator.device, weights_only=False)
-            self._step, self._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
+        checkpointing.load_run_state(self, checkpoint)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, output_dir=None):
         """The project's card (`model_card.model_card`) as `<output_dir>/README.md`."""
@@ -904,29 +699,4 @@ class BiPACETrainer(GRPOTrainer):
         for envs in self._vector_envs.values():
             envs.close()
         self._vector_envs.clear()
-
-
-def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) -> dict[str, Any]:
-    """Success rate overall and per value of `report_key` (e.g. ALFWorld task type)."""
-    n = max(len(records), 1)
-    result: dict[str, Any] = {
-        "success_rate": sum(r["won"] for r in records) / n,
-        "episode_length": sum(r["length"] for r in records) / n,
-        "env_failures": sum(r["failed"] for r in records),
-        "num_tasks": len(records),
-    }
-    turns = sum(r["length"] for r in records)
-    if turns and all("invalid_steps" in r for r in records):  # replies that parsed to an action
-        result["valid_action_rate"] = 1.0 - sum(r["invalid_steps"] for r in records) / turns
-    if records and "score" in records[0]:  # envs with a graded outcome (WebShop) report its mean too
-        result["score"] = sum(r["score"] for r in records) / n
-    if report_key:
-        by_type: dict[str, list[bool]] = {}
-        for r in records:
-            by_type.setdefault(f"{report_key}={r.get(report_key)}", []).append(r["won"])
-        # keyed as logged ("depth=2", "task_type=pick_and_place_simple"): a bare "2" says nothing
-        result["per_type"] = {k: sum(v) / len(v) for k, v in sorted(by_type.items())}
-        for key, value in result["per_type"].items():
-            result[f"success_rate/{key}"] = value
-    return result
 

@@ -1,0 +1,143 @@
+"""What a checkpoint holds besides TRL's, how it is written atomically, and how a run resumes exactly.
+
+`checkpoint-N` is TRL's (weights or adapter, optimizer, scheduler, RNG states, trainer
+state) plus the run's own state:
+
+- `bipace_state.json`: the estimator's state (the calibrated ε) and the evaluation history;
+- `env_counters_rank{r}.json`: each rank's training `VectorEnv` counters, so the env/*
+  metrics of a resumed run continue the checkpointed run's;
+- `rollout_buffer_rank{r}.pt`, only when saved while one generation still feeds further
+  optimizer steps: each rank's buffered samples and TRL's micro-step counter, so resuming
+  trains on the same samples instead of generating new ones.
+
+`save_atomically` writes all of it into a staging folder and renames it into place;
+`load_run_state` reads the run's state back; `EpochSeededRepeatSampler` makes a resumed
+run draw the same task order as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from transformers.trainer_utils import rotate_checkpoints
+from trl.trainer.utils import RepeatSampler
+
+if TYPE_CHECKING:
+    from .trainer import BiPACETrainer
+
+__all__ = [
+    "STATE_FILE",
+    "BUFFER_FILE",
+    "ENV_COUNTERS_FILE",
+    "save_atomically",
+    "load_run_state",
+    "EpochSeededRepeatSampler",
+]
+
+STATE_FILE = "bipace_state.json"
+BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
+ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
+
+
+def save_atomically(trainer: BiPACETrainer, run_dir: Path, trl_save: Callable[[], None]) -> None:
+    """Write the checkpoint into a staging folder, then rename it into place.
+
+    `trl_save` is TRL's own `_save_checkpoint`; while it runs, `trainer._checkpoint_staging`
+    points the trainer's output folder (`_get_output_dir`) at the staging folder. A kill
+    during the save (SIGKILL, OOM, preemption) leaves only the staging folder, which
+    resuming ignores and the next save clears: `checkpoint-N` either exists complete,
+    the run's state included, or not at all. Every rank takes part.
+    """
+    accelerator = trainer.accelerator
+    staging = run_dir / ".staging"
+    name = f"checkpoint-{trainer.state.global_step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    trainer._checkpoint_staging = str(staging)
+    try:
+        trl_save()
+    finally:
+        trainer._checkpoint_staging = None
+    _write_run_state(trainer, staging / name)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(run_dir / name, ignore_errors=True)  # a re-save of the same step after a resume
+        os.replace(staging / name, run_dir / name)
+        shutil.rmtree(staging, ignore_errors=True)
+        if trainer.args.should_save:
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=trainer.args.save_total_limit,
+                best_model_checkpoint=trainer.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+    accelerator.wait_for_everyone()
+
+
+def _write_run_state(trainer: BiPACETrainer, directory: Path) -> None:
+    rank = trainer.accelerator.process_index
+    if trainer.args.should_save:
+        state = {"estimator": trainer.estimator.state_dict(), "eval_history": trainer.eval_history}
+        (directory / STATE_FILE).write_text(json.dumps(state))
+    if "train" in trainer._vector_envs:
+        path = directory / ENV_COUNTERS_FILE.format(rank=rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(trainer._vector_envs["train"].counters()))
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    if trainer._step % generate_every and trainer._buffered_inputs is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        buffer = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs}
+        torch.save(buffer, directory / BUFFER_FILE.format(rank=rank))
+
+
+def load_run_state(trainer: BiPACETrainer, checkpoint: str | None) -> None:
+    """Restore what `save_atomically` added to `checkpoint` (after TRL has loaded its own)."""
+    if checkpoint is None:
+        return
+    checkpoint, rank = Path(checkpoint), trainer.accelerator.process_index
+    if (checkpoint / STATE_FILE).exists():
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        trainer.estimator.load_state_dict(state["estimator"])
+        trainer.eval_history = state.get("eval_history", [])
+    counters_path = checkpoint / ENV_COUNTERS_FILE.format(rank=rank)
+    if counters_path.exists():  # added to the train VectorEnv when the trainer builds it
+        trainer._resumed_env_counters = json.loads(counters_path.read_text())
+    buffer_path = checkpoint / BUFFER_FILE.format(rank=rank)
+    if buffer_path.exists():  # saved mid-generation
+        buffer = torch.load(buffer_path, map_location=trainer.accelerator.device, weights_only=False)
+        trainer._step, trainer._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
+
+
+class EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose task order in epoch e depends on (seed, e) alone.
+
+    TRL seeds the generator once and draws one permutation per epoch, so a resumed run
+    (a new sampler) replayed the first epoch's order. `set_epoch(e)` (called by the
+    Trainer before each epoch, resumed or not) reseeds and draws the e earlier
+    permutations: the same orders as TRL's, and a resumed run continues them exactly.
+    """
+
+    @classmethod
+    def like(cls, sampler: RepeatSampler) -> EpochSeededRepeatSampler:
+        """This sampler with the settings of TRL's `sampler`."""
+        return cls(
+            data_source=sampler.data_source,
+            mini_repeat_count=sampler.mini_repeat_count,
+            batch_size=sampler.batch_size,
+            repeat_count=sampler.repeat_count,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.shuffle or self.seed is None:
+            return
+        self.generator.manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.num_samples, generator=self.generator)

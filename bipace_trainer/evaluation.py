@@ -1,0 +1,149 @@
+"""Evaluation on held-out tasks: which tasks, what each episode reports, the summary, and when it runs.
+
+    result = trainer.evaluate_policy()              # on `eval_split`, logged and kept in eval_history
+    result = trainer.evaluate_policy(split="test")  # another split, same tasks per split every time
+
+Every rank plays its share of the split's tasks (`eval_task_refs`: `eval_tasks` of them,
+stratified over task types, each `eval_rollouts_per_task` times) at `eval_temperature`,
+through the trainer's own generation path. The result (success rate overall and per
+`report_key` value, episode length, valid-action rate, the env's score if it reports one)
+is logged, appended to `trainer.eval_history` and, by the main process, written to
+`<output_dir>/eval_results.json`. `EvaluationCallback` runs it before training and every
+`eval_interval` steps, `FinalEvaluationCallback` once training ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
+
+from envs.base import stratified_subset
+
+from .rollout import Episode, TaskRef
+
+if TYPE_CHECKING:
+    from .trainer import BiPACETrainer
+
+__all__ = [
+    "EVAL_FILE",
+    "eval_task_refs",
+    "evaluate_policy",
+    "summarise_evaluation",
+    "EvaluationCallback",
+    "FinalEvaluationCallback",
+]
+
+EVAL_FILE = "eval_results.json"
+
+
+def eval_task_refs(env_class, split: str, args) -> list[TaskRef]:
+    """The rollouts of one evaluation of `split`: `args.eval_tasks` tasks (stratified over
+    the env's `report_key`; 0 = all), each `args.eval_rollouts_per_task` times, one group per task."""
+    specs = env_class.tasks(split, **args.env_kwargs)
+    specs = stratified_subset(specs, args.eval_tasks, env_class.report_key, "eval_tasks")
+    repeats = args.eval_rollouts_per_task
+    return [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, spec in enumerate(specs) for _ in range(repeats)]
+
+
+def episode_record(episode: Episode, reports_score: bool) -> dict[str, Any]:
+    """What `summarise_evaluation` reads of one episode (plus its task attributes)."""
+    record = {"task_id": episode.task_id, "won": episode.won, "length": episode.length, "failed": episode.failed}
+    record |= episode.attributes | {"invalid_steps": episode.invalid_steps}
+    return record | ({"score": episode.score or 0.0} if reports_score else {})
+
+
+def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) -> dict[str, Any]:
+    """Success rate overall and per value of `report_key` (e.g. ALFWorld task type)."""
+    n = max(len(records), 1)
+    result: dict[str, Any] = {
+        "success_rate": sum(r["won"] for r in records) / n,
+        "episode_length": sum(r["length"] for r in records) / n,
+        "env_failures": sum(r["failed"] for r in records),
+        "num_tasks": len(records),
+    }
+    turns = sum(r["length"] for r in records)
+    if turns and all("invalid_steps" in r for r in records):  # replies that parsed to an action
+        result["valid_action_rate"] = 1.0 - sum(r["invalid_steps"] for r in records) / turns
+    if records and "score" in records[0]:  # envs with a graded outcome (WebShop) report its mean too
+        result["score"] = sum(r["score"] for r in records) / n
+    if report_key:
+        by_type: dict[str, list[bool]] = {}
+        for r in records:
+            by_type.setdefault(f"{report_key}={r.get(report_key)}", []).append(r["won"])
+        # keyed as logged ("depth=2", "task_type=pick_and_place_simple"): a bare "2" says nothing
+        result["per_type"] = {k: sum(v) / len(v) for k, v in sorted(by_type.items())}
+        for key, value in result["per_type"].items():
+            result[f"success_rate/{key}"] = value
+    return result
+
+
+@torch.no_grad()
+def evaluate_policy(trainer: BiPACETrainer, tag: str, split: str) -> dict[str, Any]:
+    """Play `split`'s evaluation tasks with `trainer`'s policy; see the module docstring.
+
+    `tag` names the occasion ("before", "interval", "final", or the caller's): a "final"
+    result is logged at once (the run is ending), the others with the next training log.
+    """
+    args, accelerator = trainer.args, trainer.accelerator
+    world, rank = accelerator.num_processes, accelerator.process_index
+    shard = eval_task_refs(trainer.env_class, split, args)[rank::world]
+    was_training = trainer.model.training
+    trainer.model.eval()
+    start = time.perf_counter()
+    try:
+        with trainer._sampling_temperature(args.eval_temperature):
+            rollout = trainer._rollout("eval", shard, traj_offset=rank * len(shard))
+    finally:
+        trainer.model.train(was_training)
+    reports_score = getattr(trainer.env_class, "reports_score", False)
+    records = [episode_record(e, reports_score) for e in rollout.episodes[: len(shard)]]
+    trainer._record_trajectories(rollout, tag=tag)
+    records = gather_object(records) if world > 1 else records
+    result = summarise_evaluation(records, trainer.env_class.report_key)
+    result.update(step=trainer.state.global_step, tag=tag, split=split, seconds=time.perf_counter() - start)
+    trainer.eval_history.append(result)
+    logs = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k not in ("step",)}
+    if tag == "final":
+        trainer.log(logs)
+    else:
+        for key, value in logs.items():
+            trainer._metrics["train"][key].append(float(value))
+    if accelerator.is_main_process:
+        path = Path(args.output_dir) / EVAL_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(trainer.eval_history, indent=2))
+    return result
+
+
+class EvaluationCallback(TrainerCallback):
+    """Evaluates before training (`evaluate_before_training`) and every `eval_interval` steps
+    (the last step is left to `FinalEvaluationCallback`)."""
+
+    def __init__(self, trainer: BiPACETrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.evaluate_before_training and state.global_step == 0:
+            self.trainer.evaluate_policy(tag="before")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.eval_interval and state.global_step % args.eval_interval == 0 and state.global_step < state.max_steps:
+            self.trainer.evaluate_policy(tag="interval")
+
+
+class FinalEvaluationCallback(TrainerCallback):
+    """The final evaluation, placed before every other callback: the trackers' own
+    `on_train_end` finishes their runs, and the evaluation still logs (TRL's profiling too)."""
+
+    def __init__(self, trainer: BiPACETrainer):
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not self.trainer.interrupted:  # a preempted run saves and leaves; it evaluates after resuming
+            self.trainer.evaluate_policy(tag="final")
