@@ -243,10 +243,11 @@ def oracle_values(rollout: Rollout, truth: list[TruthStep], max_turns: int, gamm
         return gamma ** (distance - 1)
 
     by_position = {(step.traj, step.t): k for k, step in enumerate(rollout.steps)}
+    winning = {(e.traj, e.length - 1) for e in rollout.episodes if e.won}  # the step that won each won episode
     for k, step in enumerate(rollout.steps):
         info = truth[k]
         info.v_star = value(info.distance, step.t)
-        if step.won:
+        if (step.traj, step.t) in winning:
             info.q_star = 1.0
         else:
             after = by_position.get((step.traj, step.t + 1))

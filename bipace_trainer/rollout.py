@@ -53,7 +53,8 @@ class Generation:
 
     prompt_ids / completion_ids: n token id lists; texts: n decoded replies;
     hidden: (n, d) hidden states at the last prompt token, or None;
-    logprobs: n lists of the sampler's logprob of each completion token (vLLM), or None.
+    logprobs: n lists of the sampler's logprob of each completion token (vLLM), or None;
+    hidden_seconds: the part of the call spent on a pass only for `hidden` (timed apart).
     """
 
     prompt_ids: list[list[int]]
@@ -61,6 +62,7 @@ class Generation:
     texts: list[str]
     hidden: torch.Tensor | None = None
     logprobs: list[list[float | None]] | None = None
+    hidden_seconds: float = 0.0
 
 
 class Generator(Protocol):
@@ -99,7 +101,7 @@ class RolloutSettings:
 
 @dataclass
 class StepRecord:
-    """One env step = one training sample."""
+    """One env step = one training sample. How its episode ended is the `Episode`'s."""
 
     group: int
     traj: int
@@ -112,8 +114,6 @@ class StepRecord:
     action_key: Any
     anchor: str
     reward: float
-    done: bool
-    won: bool
     observation: str = ""  # what the env showed the agent before this step
     hidden: torch.Tensor | None = None
     sampling_logprobs: list[float | None] | None = None  # the generation backend's, per completion token
@@ -138,6 +138,10 @@ class Episode:
 
 @dataclass
 class Rollout:
+    """What `run_rollouts` played: the steps in batch order, one `Episode` per task, and wall
+    times in seconds: the whole rollout ("rollout"), generation ("generate", without
+    "hidden"), the envs ("env"), and the passes run only for hidden states ("hidden")."""
+
     steps: list[StepRecord]
     episodes: list[Episode]
     seconds: dict[str, float]
@@ -208,6 +212,7 @@ def run_rollouts(
         on_turn: called after every turn with (turn, envs still playing), e.g. to show progress.
     """
     sync = sync or LocalSync()
+    rollout_start = time.perf_counter()
     seconds = {"generate": 0.0, "env": 0.0, "hidden": 0.0}
     n = len(tasks)
     episodes = [Episode(traj_offset + i, task.group, task.task_id, dict(task.attributes)) for i, task in enumerate(tasks)]
@@ -251,7 +256,9 @@ def run_rollouts(
         start = time.perf_counter()
         for c in range(num_calls):
             outputs.append(generate(messages[c * chunk : (c + 1) * chunk]))
-        seconds["generate"] += time.perf_counter() - start
+        hidden_seconds = sum(out.hidden_seconds for out in outputs)
+        seconds["generate"] += time.perf_counter() - start - hidden_seconds
+        seconds["hidden"] += hidden_seconds
         generate_calls += num_calls
         prompt_ids = [ids for out in outputs for ids in out.prompt_ids]
         completion_ids = [ids for out in outputs for ids in out.completion_ids]
@@ -289,8 +296,6 @@ def run_rollouts(
                     anchor=current[i].anchor,
                     observation=current[i].observation,
                     reward=reward,
-                    done=failed or result.done,
-                    won=not failed and result.won,
                     hidden=hidden[j] if hidden is not None else None,
                     sampling_logprobs=logprobs[j] if logprobs is not None else None,
                 )
@@ -313,4 +318,5 @@ def run_rollouts(
     for i in range(n):
         if not done[i]:
             episodes[i].truncated = True
+    seconds["rollout"] = time.perf_counter() - rollout_start
     return Rollout(steps=steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls)

@@ -174,7 +174,6 @@ class BiPACETrainer(GRPOTrainer):
         if self.use_vllm:
             install_cpu_weight_loading(self.vllm_generation)
             self._weight_syncs = WeightSyncs(self.vllm_generation)
-        self._hidden_seconds = 0.0
         self._vector_envs: dict[str, VectorEnv] = {}
         self.eval_history: list[dict[str, Any]] = []
         self.interrupted = False
@@ -237,17 +236,17 @@ class BiPACETrainer(GRPOTrainer):
         capture = PrefillCapture(self._policy_module(), self.args.cluster_layer) if hook else contextlib.nullcontext()
         with capture:
             completion_ids, logprobs = self._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-        hidden = capture.states if hook else None
+        hidden, hidden_seconds = (capture.states if hook else None), 0.0
         if wants_hidden and self.args.hidden_capture == "forward":
             start = time.perf_counter()
             hidden = self._forward_hidden(prompt_ids)[:count]
-            self._hidden_seconds += time.perf_counter() - start
+            hidden_seconds = time.perf_counter() - start  # the rollout reports it apart from generation
         if not count:
-            return Generation([], [], [], None)
+            return Generation([], [], [], None, hidden_seconds=hidden_seconds)
         completion_ids = [list(ids) for ids in completion_ids[:count]]
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         logprobs = [list(lp) for lp in logprobs[:count]] if logprobs is not None else None
-        return Generation(prompt_ids[:count], completion_ids, texts, hidden, logprobs)
+        return Generation(prompt_ids[:count], completion_ids, texts, hidden, logprobs, hidden_seconds)
 
     def _tokenize_prompts(self, prompts: list):
         """TRL's tokenization, then each prompt bounded by the model's context minus
@@ -298,7 +297,6 @@ class BiPACETrainer(GRPOTrainer):
         return envs
 
     def _rollout(self, name: str, tasks: list[TaskRef], traj_offset: int = 0) -> Rollout:
-        self._hidden_seconds = 0.0
         # An empty eval shard (more ranks than tasks) still joins every generate call.
         envs = self._envs(name, len(tasks)) if tasks else None
         with self._weight_syncs.awake() if self.use_vllm else contextlib.nullcontext(False) as pushed:
@@ -311,9 +309,6 @@ class BiPACETrainer(GRPOTrainer):
                 )
         if name == "train":
             self._stop_if_every_env_failed(rollout)
-        # The extra forward pass runs inside the generate callback: report it apart.
-        rollout.seconds["generate"] -= self._hidden_seconds
-        rollout.seconds["hidden"] = self._hidden_seconds
         return rollout
 
     @contextlib.contextmanager
@@ -386,9 +381,7 @@ class BiPACETrainer(GRPOTrainer):
             TaskRef(int(row["task_id"]), group=i // group_size, attributes=self._task_attributes.get(int(row["task_id"]), {}))
             for i, row in enumerate(inputs)
         ]
-        start = time.perf_counter()
         rollout = self._rollout("train", tasks, traj_offset=rank * len(tasks))
-        rollout_seconds = time.perf_counter() - start
 
         # The batch first: under vLLM its old-logprob pass also captures the hidden states.
         output, batch_metrics = self._training_samples(rollout)
@@ -410,7 +403,6 @@ class BiPACETrainer(GRPOTrainer):
 
         metrics = {**rollout.metrics(), **diagnostics, **self._vector_envs["train"].metrics(), **batch_metrics}
         metrics["train/skipped_batches"] = float(skip)
-        metrics["time/rollout_s"] = rollout_seconds
         metrics["time/estimator_s"] = estimator_seconds
         if self.use_vllm:
             metrics["vllm/weight_syncs"] = float(self._weight_syncs.count)

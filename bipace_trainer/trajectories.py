@@ -105,7 +105,7 @@ def step_rows(
                 "advantage": advantages[i],
                 "cluster": cells[i],
                 "branch": branches[i],
-                "done": step.done,
+                "done": step.t == episode.length - 1 and not episode.truncated,  # this step ended its episode
             }
         )
     return rows

@@ -15,10 +15,10 @@ from bipace_trainer.advantages import estimate_advantages, resolve_settings
 from bipace_trainer.rollout import Episode, Rollout, StepRecord
 
 
-def _step(traj, t, obs, action, reward, valid=True, done=False, won=False):
+def _step(traj, t, obs, action, reward, valid=True):
     return StepRecord(
         group=0, traj=traj, t=t, prompt_ids=[1, 2, 3], completion_ids=[4], reply=f"<action>{action}</action>",
-        action=action, valid=valid, action_key=action, anchor=obs, reward=reward, done=done, won=won, observation=obs,
+        action=action, valid=valid, action_key=action, anchor=obs, reward=reward, observation=obs,
     )
 
 
@@ -27,7 +27,7 @@ def make_rollout() -> Rollout:
     steps = [
         _step(0, 0, "at start", "go left", 0.0),
         _step(1, 0, "at start", "go right", 0.0),
-        _step(0, 1, "at door", "open door", 1.0, done=True, won=True),
+        _step(0, 1, "at door", "open door", 1.0),
         _step(1, 1, "at wall", "jump", 0.0, valid=False),
     ]
     episodes = [
