@@ -65,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 # A run stops once every episode of this many generations in a row failed (env broken, not flaky).
 MAX_ALL_FAILED_GENERATIONS = 3
+# How a training metric combines over ranks: these counts are summed, every other metric
+# (rates, means, seconds, settings) is averaged. A name ending in "/" covers the family under it.
+SUMMED_OVER_RANKS = (
+    "episode/steps", "episode/env_failures", "episode/padded_rows", "env/steps", "env/failures", "env/failures/",
+)
 _DUMMY_PROMPT = [{"role": "user", "content": "."}]
 
 
@@ -583,11 +588,12 @@ class BiPACETrainer(GRPOTrainer):
         return float(torch.nanmean(gathered))
 
     def _record_metrics(self, mode: str, metrics: dict[str, float]) -> None:
-        """Average each metric over ranks and append it to TRL's metric buffers."""
+        """Combine each metric over ranks (`SUMMED_OVER_RANKS`) and append it to TRL's metric buffers."""
         per_rank = gather_object([metrics]) if self.accelerator.num_processes > 1 else [metrics]
+        families = tuple(name for name in SUMMED_OVER_RANKS if name.endswith("/"))
         for key in sorted({k for m in per_rank for k in m}):
             values = [m[key] for m in per_rank if key in m and m[key] is not None]
-            if key.endswith(("failures", "/steps", "padded_rows")) or key.startswith("env/failures"):
+            if key in SUMMED_OVER_RANKS or key.startswith(families):
                 self._metrics[mode][key].append(float(sum(values)))
             else:
                 self._metrics[mode][key].append(float(sum(values) / len(values)))
