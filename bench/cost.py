@@ -65,17 +65,14 @@ PHASES = ("generate_s", "env_s", "hidden_s", "estimator_s", "logps_s", "update_s
 class FingerprintTrainer(BiPACETrainer):
     """`BiPACETrainer` for timing: records a hash of every rollout batch, always updates, never evaluates.
 
-    Overrides `on_rollout`, `compute_loss` and `evaluate_policy`; everything else is inherited.
+    Overrides `on_rollout` and `evaluate_policy`; everything else is inherited. Timing must
+    include the update in every variant, whatever its advantages: it never skips one.
     """
+
+    skip_update_without_signal = False
 
     def evaluate_policy(self, tag: str = "manual") -> dict:
         return {}
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # The trainer skips the update of a batch whose advantages are all zero; timing
-        # must include the update in every variant, whatever its advantages.
-        inputs = {key: value for key, value in inputs.items() if key != "skip_update"}
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def on_rollout(self, rollout, advantages, diagnostics):
         digest = hashlib.sha256()

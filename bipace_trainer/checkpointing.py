@@ -8,7 +8,8 @@ state) plus the run's own state:
   metrics of a resumed run continue the checkpointed run's;
 - `rollout_buffer_rank{r}.pt`, only when saved while one generation still feeds further
   optimizer steps: each rank's buffered samples and TRL's micro-step counter, so resuming
-  trains on the same samples instead of generating new ones.
+  trains on the same samples (and skips their update or not, as before) instead of
+  generating new ones.
 
 `save_atomically` writes all of it into a staging folder and renames it into place;
 `load_run_state` reads the run's state back; `EpochSeededRepeatSampler` makes a resumed
@@ -92,7 +93,7 @@ def _write_run_state(trainer: BiPACETrainer, directory: Path) -> None:
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations
     if trainer._step % generate_every and trainer._buffered_inputs is not None:
         directory.mkdir(parents=True, exist_ok=True)
-        buffer = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs}
+        buffer = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs, "skip_update": trainer._skip_update}
         torch.save(buffer, directory / BUFFER_FILE.format(rank=rank))
 
 
@@ -112,6 +113,9 @@ def load_run_state(trainer: BiPACETrainer, checkpoint: str | None) -> None:
     if buffer_path.exists():  # saved mid-generation
         buffer = torch.load(buffer_path, map_location=trainer.accelerator.device, weights_only=False)
         trainer._step, trainer._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
+        # older checkpoints carried the flag inside each micro-batch
+        carried = [bool(chunk.pop("skip_update", False)) for chunk in trainer._buffered_inputs]
+        trainer._skip_update = buffer.get("skip_update", any(carried))
 
 
 class EpochSeededRepeatSampler(RepeatSampler):

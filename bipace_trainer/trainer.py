@@ -125,6 +125,9 @@ class BiPACETrainer(GRPOTrainer):
 
     _tag_names = ["trl", "bipace", "multi-turn-agent"]
     _name = "BiPACE"
+    # Skip the update of a generation in which no sample on any rank has a non-zero
+    # advantage (`compute_loss`); a subclass that must always update (a timing bench) sets False.
+    skip_update_without_signal = True
 
     def __init__(
         self,
@@ -186,6 +189,7 @@ class BiPACETrainer(GRPOTrainer):
         self._last_env_failure = ""
         self._checkpoint_staging: str | None = None
         self._saving = False
+        self._skip_update = False  # the current generation's, for each micro-batch TRL cuts from it
         self._graceful_stop = GracefulStopCallback(self)
         self.add_callback(self._graceful_stop)
         self.add_callback(EvaluationCallback(self))
@@ -402,9 +406,11 @@ class BiPACETrainer(GRPOTrainer):
         padded_rows = output["advantages"].numel() - advantages.numel()
         output["advantages"] = torch.cat([advantages, torch.zeros(padded_rows)]).to(output["advantages"].device)
         # No sample with a non-zero advantage on any rank (all rewards equal, every env
-        # failed, no steps at all): there is nothing to learn from; skip the update.
+        # failed, no steps at all): there is nothing to learn from; skip the update. TRL
+        # shuffles this batch, cuts it into micro-batches and buffers them until the next
+        # generation, so the flag stays on the trainer, set once per generation.
         skip = not self._sync.any(bool((advantages != 0).any()))
-        output["skip_update"] = torch.tensor(skip)
+        self._skip_update = skip and self.skip_update_without_signal
 
         metrics = {**rollout.metrics(), **diagnostics, **self._vector_envs["train"].metrics(), **batch_metrics}
         metrics["train/skipped_batches"] = float(skip)
@@ -541,7 +547,7 @@ class BiPACETrainer(GRPOTrainer):
         return out, hidden
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if bool(inputs.get("skip_update", False)) and not self.is_deepspeed_enabled:
+        if self._skip_update and not self.is_deepspeed_enabled:  # the generation's (`_generate_and_score_completions`)
             # No forward, no backward: gradients stay None, so the optimizer leaves every
             # parameter (and its moments) untouched. DeepSpeed counts micro-steps inside
             # its backward, so under DeepSpeed the zero-advantage loss runs as usual.

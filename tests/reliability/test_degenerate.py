@@ -77,9 +77,10 @@ def test_trainer_skips_batches_without_signal(env_name, overrides, warm_policy, 
     with pytest.raises(RuntimeError, match="engine is down") if every_env_fails else contextlib.nullcontext():
         trainer.train()
     trainer.close_envs()
-    assert len(trainer.captured) == 2
-    for _, advantages, _ in trainer.captured:
+    assert len(trainer.captured) == 2 and trainer.skipped_updates == [True, True]
+    for _, advantages, batch in trainer.captured:
         assert_finite_zero(advantages)
+        assert "skip_update" not in batch  # the flag is the trainer's, not a key in TRL's batch
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(entry["loss"] == 0.0 for entry in logs)
     assert all(entry["train/skipped_batches"] == 1.0 for entry in logs if "train/skipped_batches" in entry)

@@ -73,7 +73,12 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropou
 
 
 class CapturingTrainer(BiPACETrainer):
-    """Keeps each generation's rollout, advantages and training batch for inspection."""
+    """Keeps each generation's rollout, advantages and training batch in `captured`, and
+    whether its update was skipped in `skipped_updates`, for inspection."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skipped_updates = []
 
     def on_rollout(self, rollout, advantages, diagnostics):
         self._seen = (rollout, advantages.clone())
@@ -81,6 +86,7 @@ class CapturingTrainer(BiPACETrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.captured.append((*self._seen, dict(output)))
+        self.skipped_updates.append(self._skip_update)
         return output
 
 

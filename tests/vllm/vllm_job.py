@@ -108,7 +108,7 @@ def main() -> None:
             {
                 "steps": len(rollout.steps),
                 "nonzero_advantages": int((advantages != 0).sum()),
-                "skip_update": bool(batch["skip_update"]),
+                "skip_update": skipped,
                 "is_ratio_shape": (
                     list(batch["importance_sampling_ratio"].shape) if "importance_sampling_ratio" in batch else None
                 ),
@@ -118,7 +118,7 @@ def main() -> None:
                 ),
                 "all_steps_have_hidden": all(s.hidden is not None for s in rollout.steps),
             }
-            for rollout, advantages, batch in trainer.captured
+            for (rollout, advantages, batch), skipped in zip(trainer.captured, trainer.skipped_updates)
         ],
         "hidden_gaps": trainer.hidden_gaps,
         "lora_changed": any(not torch.equal(initial[n], final[n]) for n in initial),
