@@ -164,7 +164,8 @@ def grouped_gae(
 
         V̄(s_t)  = mean_C R^env                     (0 after the last step)
         δ_t     = r_t + γ V̄(s_{t+1}) - V̄(s_t)
-        Â_t     = δ_t + γλ Â_{t+1}  - (p_t - mean_C p)
+        G_t     = δ_t + γλ G_{t+1}                  (G_L = 0)
+        Â_t     = G_t - (p_t - mean_C p)           (the penalty outside the recursion)
 
     r_t is the reward implied by the returns, R^env_t - γ R^env_{t+1}, so a truncated
     trajectory's bootstrap R_L (`returns.step_returns`) is its V̄(s_L). With λ = 1 the

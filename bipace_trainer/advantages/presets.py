@@ -16,7 +16,10 @@ step baseline (`baselines.BASELINES`) over the cells of the state partition
     bigagpo       hidden     gae        0     sequence
 
 Every knob stays settable: `resolve_settings("gigpo", norm="mean")` is GiGPO without
-the std, as in its WebShop ablation.
+the std, as in its WebShop ablation. New values are registrations, not edits:
+`partition.register_partition`, `baselines.BASELINES`, `register_preset`.
+`StepAdvantageEstimator` is the one owner of ε for a partition that takes one ("auto":
+calibrated, held, its fallback `max_cluster_eps` until then; `eps_in_use`).
 """
 
 from __future__ import annotations
