@@ -1,22 +1,32 @@
-"""`BiPACETrainer`: TRL's GRPOTrainer, trained on multi-turn env rollouts, one sample per step.
+"""`BiPACETrainer`: TRL's GRPOTrainer trained on multi-turn env rollouts, one sample per env step.
 
-What is ours, everything else is TRL's (loss, clipping, KL, optimizer, logging,
-checkpointing, vLLM and DeepSpeed plumbing):
+    rollout (`rollout.run_rollouts`) → advantages (`advantages.StepAdvantageEstimator`) → TRL's loss
 
-- `_generate_and_score_completions` (the seam TRL exposes): the rows of a generation
-  batch are *tasks*, each repeated `num_generations` times. We roll all of them out in
-  lockstep (`rollout.run_rollouts`), generating through TRL's own `_generate_single_turn`
-  and capturing the actor's hidden state during prefill; every env step becomes one
-  training sample whose advantage comes from the estimator module.
-- Evaluation on held-out tasks (`evaluate_policy`), before/after training and every
-  `eval_interval` steps, written to the logs and to `<output_dir>/eval_results.json`.
-- What the agent did, readable (`trajectories`): TRL's completions table filled with one
-  row per env step, and rollout dumps of training and evaluation episodes.
-- The estimator's state (calibrated ε) in checkpoints, and a model card (`model_card`)
-  that names the env, preset, base model, recipe and evaluation per task type.
-- Guards (docs/RELIABILITY.md): a batch without a non-zero advantage skips its update, a
-  non-finite loss stops the run before the optimizer applies it, SIGTERM saves and stops,
-  and checkpoints are written atomically.
+The rows of a generation batch are *tasks*, each repeated `num_generations` times. The
+trainer plays all of them in lockstep, generating through TRL's own `_generate_single_turn`
+(HF generate or vLLM) and capturing the actor's hidden state when the estimator needs it;
+every env step becomes one row of TRL's batch, with the advantage the estimator gives it.
+
+Overridden, everything else is TRL's (loss, clipping, KL, optimizer, logging, vLLM and
+DeepSpeed plumbing):
+
+- `_generate_and_score_completions`: the seam above. It calls `on_rollout(rollout,
+  advantages, diagnostics)`, the hook through which a subclass sees every generation.
+- `_tokenize_prompts`: each prompt bounded by the model's context.
+- `compute_loss`: a generation in which no sample on any rank has a non-zero advantage
+  skips its update; a micro-batch runs in pieces of at most `per_device_train_batch_size`
+  rows (`micro_batches`).
+- `training_step`: a non-finite loss stops the run before the optimizer applies it.
+- `train`: SIGTERM saves and stops (`callbacks`), a run in which every episode failed
+  raises, and every run leaves the project's model card (`model_card`).
+- `_get_train_sampler`, `_get_output_dir`, `_save_checkpoint`, `_load_optimizer_and_scheduler`:
+  atomic checkpoints that hold the run's own state, and exact resumes (`checkpointing`).
+- `create_model_card`, `save_model`: the project's card in place of TRL's and PEFT's.
+
+Added: `evaluate_policy(tag, split)` on held-out tasks (`evaluation`; its callbacks run it
+before, during and after training), `on_rollout`, and `close_envs`. What the agent did
+is written to TRL's completions table and to rollout dumps (`trajectories`). The guards
+are listed in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -121,6 +131,9 @@ class BiPACETrainer(GRPOTrainer):
     `train()` leaves the project's model card (`model_card.py`) in `output_dir`, and
     `save_model()` keeps it there in place of PEFT's. Call `close_envs()` when done with the
     trainer: it stops the envs' worker threads or processes (`env_backend`) and frees the engines.
+
+    A subclass changes what it needs through `on_rollout` (each training generation),
+    `evaluate_policy` (what the evaluation callbacks call) and `skip_update_without_signal`.
     """
 
     _tag_names = ["trl", "bipace", "multi-turn-agent"]
