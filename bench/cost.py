@@ -71,7 +71,7 @@ class FingerprintTrainer(BiPACETrainer):
 
     skip_update_without_signal = False
 
-    def evaluate_policy(self, tag: str = "manual") -> dict:
+    def evaluate_policy(self, tag: str = "manual", split: str | None = None) -> dict:
         return {}
 
     def on_rollout(self, rollout, advantages, diagnostics):

@@ -42,21 +42,18 @@ class RankSkewEnv(TinyEnv):
 class RecordingTrainer(BiPACETrainer):
     records: list = []
 
-    def _rollout(self, name, tasks, traj_offset=0):
-        rollout = super()._rollout(name, tasks, traj_offset)
-        if name == "train":
-            groups = {}
-            for task in tasks:
-                groups.setdefault(task.group, set()).add(task.task_id)
-            self.records.append(
-                {
-                    "groups": [sorted(ids) for _, ids in sorted(groups.items())],
-                    "generate_calls": rollout.generate_calls,
-                    "episode_lengths": [e.length for e in rollout.episodes],
-                    "samples": len(rollout.steps),
-                }
-            )
-        return rollout
+    def on_rollout(self, rollout, advantages, diagnostics):
+        groups = {}
+        for episode in rollout.episodes:  # one per task this rank rolled out
+            groups.setdefault(episode.group, set()).add(episode.task_id)
+        self.records.append(
+            {
+                "groups": [sorted(ids) for _, ids in sorted(groups.items())],
+                "generate_calls": rollout.generate_calls,
+                "episode_lengths": [e.length for e in rollout.episodes],
+                "samples": len(rollout.steps),
+            }
+        )
 
 
 def main():
