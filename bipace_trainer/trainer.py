@@ -371,6 +371,8 @@ class BiPACETrainer(GRPOTrainer):
             f"env_kwargs={self.args.env_kwargs!r}) and rerun; checkpoints, if any, are in {self.args.output_dir}."
         )
 
+    # ------------------------------------------------------------------ the run
+
     def train(self, *args, **kwargs):
         """TRL's `train`; a run stopped by SIGTERM returns None with `interrupted` set, and a
         run in which every episode failed raises instead of reporting success."""
