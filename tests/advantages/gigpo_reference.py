@@ -34,7 +34,7 @@ def discounted_returns(rewards, traj_uids, gamma, dtype=torch.float32):
     per_traj = {}
     for uid in np.unique(traj_uids):
         rows = np.where(traj_uids == uid)[0]
-        out = np.zeros(len(rows), dtype=np.float32)
+        out = np.zeros(len(rows), dtype=rewards.dtype)  # float32 as the reference; float64: no rounding at all
         running = 0.0
         for k in reversed(range(len(rows))):
             running = rewards[rows[k]] + gamma * running
