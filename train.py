@@ -51,13 +51,15 @@ from bipace_trainer.run_summary import (  # noqa: E402
 )
 from bipace_trainer.warm_start import WarmStartArguments, apply_warm_start, check_warm_start  # noqa: E402
 
-# The main job's warm start: a LoRA adapter that bench/warm_start_adapter.py rebuilds bit for bit
+# The main job's warm start: a LoRA adapter that `python -m bench.warm_start_adapter` rebuilds bit for bit
 # from the embedded model (`--warm_start_steps N` rebuilds one in the run instead).
 SHIPPED_WARM_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_starts", "smollm2-135m-textcraft")
 
-# What `python train.py` without --config runs (flags still apply on top): 21 CPU minutes on one thread (README).
-# TextCraft prompts are long (~450 tokens of crafting commands), so the CPU budget is one goal ×
-# 4 rollouts × up to 8 turns per step; the recipes under recipes/ hold the papers' sizes.
+# What `python train.py` without --config runs (flags still apply on top; timings in the README).
+# TextCraft prompts are long (~530 tokens, half of them crafting commands), so the CPU budget is
+# one goal × 4 rollouts × up to 6 turns per step, on the goals the expert crafts in at most 4
+# commands (a turn budget of 6 leaves room for 2 mistakes); the recipes under recipes/ hold the
+# papers' sizes.
 MAIN_JOB_DEFAULTS = dict(
     output_dir="outputs/smollm2-textcraft-bipace_q",
     use_peft=True,
@@ -66,11 +68,12 @@ MAIN_JOB_DEFAULTS = dict(
     lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
     warm_start_from=SHIPPED_WARM_START,
     learning_rate=1e-4,
-    max_steps=3,
+    max_steps=2,
     tasks_per_iteration=1,
     num_generations=4,
-    per_device_train_batch_size=4,
-    max_turns=8,
+    per_device_train_batch_size=4,  # rows (env steps) per forward/backward: bounds the update's memory
+    gradient_checkpointing=False,  # 4-row pieces fit in memory; recomputing the forward cost a third of the update
+    max_turns=6,
     history_length=1,
     max_completion_length=40,
     eval_tasks=8,
@@ -79,6 +82,9 @@ MAIN_JOB_DEFAULTS = dict(
     report_to="none",
     seed=0,
 )
+# The main job's env options, for its own env only: `python train.py --env alfworld` gets ALFWorld's
+# defaults, not TextCraft's goal filter (an explicit --env_kwargs always wins).
+MAIN_JOB_ENV_KWARGS = {"textcraft": {"max_expert_steps": 4}}
 
 
 # Exit code of a run stopped by SIGTERM before it finished (128 + SIGTERM, the shell's convention).
@@ -315,14 +321,24 @@ def arrange_help(parser: TrlParser) -> TrlParser:
     return parser
 
 
-def make_parser(main_job: bool = True) -> TrlParser:
-    """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS under the flags."""
+def make_parser(main_job: bool = True, env_name: str = "textcraft") -> TrlParser:
+    """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS (and `env_name`'s MAIN_JOB_ENV_KWARGS) under the flags."""
     parser = arrange_help(
         TrlParser((ScriptArguments, BiPACEConfig, ModelConfig), usage=HELP_USAGE, description=HELP_DESCRIPTION)
     )
     if main_job:
-        parser.set_defaults(**MAIN_JOB_DEFAULTS)
+        parser.set_defaults(**MAIN_JOB_DEFAULTS, env_kwargs=MAIN_JOB_ENV_KWARGS.get(env_name, {}))
     return parser
+
+
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last of `names` given in `argv` (`--name value` or `--name=value`), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        flag, eq, inline = arg.partition("=")
+        if flag in names:
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
 
 
 def usage_error(message: str) -> None:
@@ -337,9 +353,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     try:
-        script_args, training_args, model_args = make_parser(main_job="--config" not in argv).parse_args_and_config(
-            args=argv
-        )
+        env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
+        parser = make_parser(main_job="--config" not in argv, env_name=env_name)
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
         usage_error(str(err))
     script_args.recipe = recipe

@@ -25,8 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# TextCraft lists a goal's crafting commands in set order, which follows Python's per-process string
-# hashing: fixed here (re-exec under PYTHONHASHSEED=0) so the demonstrations are the same text every run.
+# TextCraft's task text no longer follows Python's per-process string hashing (envs/textcraft.py);
+# the hash seed is pinned anyway (re-exec under PYTHONHASHSEED=0) so that nothing else iterating a set
+# of strings can change the demonstrations between runs.
 if os.environ.get("PYTHONHASHSEED") != "0":
     os.environ["PYTHONHASHSEED"] = "0"
     os.execv(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]])
@@ -43,7 +44,7 @@ from bipace_trainer.warm_start import demonstration_rows, train_warm_start, WARM
 from train import MAIN_JOB_DEFAULTS, SHIPPED_WARM_START, parse_args  # noqa: E402
 
 # The flags of `python train.py --warm_start_steps N ...` that rebuild the shipped adapter.
-WARM_START = ["--warm_start_steps", "24", "--warm_start_tasks", "48", "--warm_start_batch_size", "4",
+WARM_START = ["--warm_start_steps", "24", "--warm_start_tasks", "0", "--warm_start_batch_size", "4",
               "--warm_start_learning_rate", "1e-3"]
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 

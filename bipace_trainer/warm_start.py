@@ -122,7 +122,7 @@ def _require_adapter(path: str | Path) -> None:
     if not (Path(path) / "adapter_config.json").is_file():
         raise ValueError(
             f"warm_start_from={str(path)!r} holds no LoRA adapter (no adapter_config.json): give the folder a "
-            f"warm start was saved to (<output_dir>/{WARM_START_DIR}, or warm_starts/ from bench/warm_start_adapter.py), "
+            f"warm start was saved to (<output_dir>/{WARM_START_DIR}, or warm_starts/ from python -m bench.warm_start_adapter), "
             "or build one with --warm_start_steps N."
         )
 

