@@ -17,10 +17,11 @@ import itertools
 import pytest
 import torch
 
-from bipace_trainer.advantages import StepBatch, compute_advantages, resolve_settings
+from bipace_trainer.advantages import compute_advantages, resolve_settings
 
 from . import reference
 from .gigpo_reference import gigpo_advantages
+from .strategies import to_batch
 
 # Every built-in preset but GAGPO's (`gagpo`, `bigagpo`: baseline "gae").
 PRESETS_KEPT = ["grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff"]
@@ -89,20 +90,6 @@ def random_steps(seed: int):
             traj += 1
     order = torch.randperm(len(steps), generator=gen).tolist()
     return [steps[i] for i in order]
-
-
-def to_batch(steps) -> StepBatch:
-    return StepBatch(
-        group=[s["group"] for s in steps],
-        traj=[s["traj"] for s in steps],
-        t=[s["t"] for s in steps],
-        reward=[s["reward"] for s in steps],
-        valid=[s["valid"] for s in steps],
-        anchor=[s["anchor"] for s in steps],
-        action_key=[s["key"] for s in steps],
-        hidden=torch.tensor([s["hidden"] for s in steps], dtype=torch.float32),
-        truncated=[s["truncated"] for s in steps],
-    )
 
 
 SEEDS = range(16)
