@@ -12,6 +12,7 @@ import torch
 from trl import GRPOConfig
 
 from envs.base import EnvUnavailableError, resolve_env_class
+from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 
@@ -133,7 +134,8 @@ class BiPACEConfig(GRPOConfig):
     eval_interval (`int`, 0): evaluate every this-many optimizer steps (0: only before and after).
     evaluate_before_training (`bool`, True): evaluate once before the first step.
     eval_temperature (`float`, 0.4): sampling temperature of evaluation rollouts.
-    env_backend (`str`, `"serial"`): `serial`, `thread` or `process` stepping of the env batch.
+    env_backend (`str`, `"serial"`): `serial`, `thread` or `process` stepping of the env batch, or the
+        name of a backend registered with `envs.vector.register_backend`.
     env_workers (`int` or `None`), env_step_timeout (`float`, 60): pool size and per-step timeout.
     rollout_batch_size (`int`, 0): most prompts per generate call (0: all active envs at once).
     require_think (`bool`, False): a reply without `<think>…</think>` counts as invalid.
@@ -323,7 +325,8 @@ class BiPACEConfig(GRPOConfig):
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),
             (self.rollout_dump_steps >= 0, "rollout_dump_steps", "must be >= 0 (0 = no rollout dumps)"),
-            (self.env_backend in ("serial", "thread", "process"), "env_backend", "must be serial, thread or process"),
+            (self.env_backend in BACKENDS, "env_backend",
+             f"must be one of {tuple(BACKENDS)} (a backend registered with envs.vector.register_backend)"),
             (self.hidden_capture in ("hook", "forward"), "hidden_capture", "must be hook or forward"),
         ]
         for ok, name, message in checks:

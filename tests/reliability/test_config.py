@@ -35,7 +35,7 @@ class NotAnEnv:
         (dict(env_name="no-such-env"), "env_name", "register_env"),
         (dict(env_name="tiny", eval_split="test"), "eval_split", "one of"),
         (dict(env_kwargs="{size: 4}"), "env_kwargs", "JSON"),
-        (dict(env_backend="gpu"), "env_backend", "serial, thread or process"),
+        (dict(env_backend="gpu"), "env_backend", "one of \\('serial', 'thread', 'process'\\)"),
         (dict(hidden_capture="magic"), "hidden_capture", "hook or forward"),
         (dict(invalid_action_penalty=float("nan")), "invalid_action_penalty", "finite number"),
         (dict(w_ep=float("nan")), "w_ep", "finite number"),
