@@ -64,7 +64,7 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "require_think",
-        "action_key_tokens",
+        "action_key_tokens", "resample_without_signal",
     ),
     "what a run records": ("rollout_dump_steps",),
 }
@@ -138,6 +138,12 @@ class BiPACEConfig(GRPOConfig):
         name of a backend registered with `envs.vector.register_backend`.
     env_workers (`int` or `None`), env_step_timeout (`float`, 60): pool size and per-step timeout.
     rollout_batch_size (`int`, 0): most prompts per generate call (0: all active envs at once).
+    resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
+        which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
+        is played again on tasks drawn afresh from the training set, up to this many times,
+        before its update is skipped. Each retry costs a rollout; `train/resamples` counts them
+        and `episode/success_rate_all_played` counts every episode played (the kept batch is
+        selected for signal, so its own success rate is biased).
     require_think (`bool`, False): a reply without `<think>…</think>` counts as invalid.
     action_key_tokens (`int`, 0): key actions on their first k completion tokens instead of
         the normalised action text (0).
@@ -245,6 +251,10 @@ class BiPACEConfig(GRPOConfig):
     rollout_batch_size: int = field(default=0, metadata={"help": "Most prompts per generate call (0: all)."})
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})
+    resample_without_signal: int = field(
+        default=0,
+        metadata={"help": "Play a generation whose advantages are all 0 again on fresh tasks, up to k times (0: skip it)."},
+    )
 
     # What a run records
     rollout_dump_steps: int = field(
@@ -323,6 +333,7 @@ class BiPACEConfig(GRPOConfig):
             (self.env_step_timeout < self.ddp_timeout, "env_step_timeout",
              f"must be below ddp_timeout ({self.ddp_timeout} s): the other ranks wait that long for a hung env's rank"),
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
+            (self.resample_without_signal >= 0, "resample_without_signal", "must be >= 0 (0 = skip a batch without signal)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),
             (self.rollout_dump_steps >= 0, "rollout_dump_steps", "must be >= 0 (0 = no rollout dumps)"),
             (self.env_backend in BACKENDS, "env_backend",

@@ -34,9 +34,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils import gather_object
@@ -96,6 +97,17 @@ def task_dataset(env: str, split: str, env_kwargs: dict[str, Any] | None = None,
     if not specs:
         raise ValueError(f"env={env!r} has no tasks in split={split!r}; pick another split.")
     return Dataset.from_dict({"task_id": [spec.task_id for spec in specs]})
+
+
+class ScoredRollout(NamedTuple):
+    """One training rollout made into TRL's batch, with the estimator's advantages in place."""
+
+    rollout: Rollout
+    batch: dict[str, Any]
+    batch_metrics: dict[str, float]
+    estimate: Any
+    estimator_seconds: float
+    signal: bool  # some sample on some rank has a non-zero advantage
 
 
 class _CrossRankSync:
@@ -399,42 +411,69 @@ class BiPACETrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         mode = "train" if self.model.training else "eval"
-        rank = self.accelerator.process_index
         group_size = self.num_generations
         tasks = [
             TaskRef(int(row["task_id"]), group=i // group_size, attributes=self._task_attributes.get(int(row["task_id"]), {}))
             for i, row in enumerate(inputs)
         ]
-        rollout = self._rollout("train", tasks, traj_offset=rank * len(tasks))
-
-        # The batch first: under vLLM its old-logprob pass also captures the hidden states.
-        output, batch_metrics = self._training_samples(rollout)
-        start = time.perf_counter()
-        estimate = self.estimator.estimate(rollout.step_batch(), reduce=self._mean_over_ranks)
+        scored = self._scored_rollout(tasks)
+        # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is
+        # played again on freshly drawn tasks, up to `resample_without_signal` times. Every
+        # rank draws and decides alike (`signal` is any over ranks), so all stay in lockstep.
+        resamples, played = 0, list(scored.rollout.episodes)
+        while not scored.signal and resamples < self.args.resample_without_signal:
+            resamples += 1
+            scored = self._scored_rollout(self._redraw_tasks(tasks, resamples))
+            played += scored.rollout.episodes
+        rollout, output, estimate, signal = scored.rollout, scored.batch, scored.estimate, scored.signal
         advantages, diagnostics = estimate.advantage, estimate.diagnostics
-        estimator_seconds = time.perf_counter() - start
-        if not torch.isfinite(advantages).all():
-            raise FloatingPointError(
-                "Non-finite advantages from the estimator; inspect the step rewards (env) and the estimator settings."
-            )
         self.on_rollout(rollout, advantages, diagnostics)
-        padded_rows = output["advantages"].numel() - advantages.numel()
-        output["advantages"] = torch.cat([advantages, torch.zeros(padded_rows)]).to(output["advantages"].device)
         # No sample with a non-zero advantage on any rank (all rewards equal, every env
         # failed, no steps at all): there is nothing to learn from; skip the update. TRL
         # shuffles this batch, cuts it into micro-batches and buffers them until the next
         # generation, so the flag stays on the trainer, set once per generation.
-        skip = not self._sync.any(bool((advantages != 0).any()))
-        self._skip_update = skip and self.skip_update_without_signal
+        self._skip_update = not signal and self.skip_update_without_signal
 
-        metrics = {**rollout.metrics(), **diagnostics, **self._vector_envs["train"].metrics(), **batch_metrics}
-        metrics["train/skipped_batches"] = float(skip)
-        metrics["time/estimator_s"] = estimator_seconds
+        metrics = {**rollout.metrics(), **diagnostics, **self._vector_envs["train"].metrics(), **scored.batch_metrics}
+        metrics["train/skipped_batches"] = float(not signal)
+        if self.args.resample_without_signal:
+            metrics["train/resamples"] = float(resamples)
+            # the trained batch was selected for signal; this rate counts every episode the step played
+            metrics["episode/success_rate_all_played"] = sum(e.won for e in played) / max(len(played), 1)
+        metrics["time/estimator_s"] = scored.estimator_seconds
         if self.use_vllm:
             metrics["vllm/weight_syncs"] = float(self._weight_syncs.count)
         self._record_metrics(mode, metrics)
         self._record_trajectories(rollout, estimate)
         return output
+
+    def _scored_rollout(self, tasks: list[TaskRef]) -> ScoredRollout:
+        """Play `tasks`, build TRL's batch with the estimator's advantages in place, and say
+        whether any rank has a non-zero advantage."""
+        rank = self.accelerator.process_index
+        rollout = self._rollout("train", tasks, traj_offset=rank * len(tasks))
+        # The batch first: under vLLM its old-logprob pass also captures the hidden states.
+        batch, batch_metrics = self._training_samples(rollout)
+        start = time.perf_counter()
+        estimate = self.estimator.estimate(rollout.step_batch(), reduce=self._mean_over_ranks)
+        estimator_seconds = time.perf_counter() - start
+        advantages = estimate.advantage
+        if not torch.isfinite(advantages).all():
+            raise FloatingPointError(
+                "Non-finite advantages from the estimator; inspect the step rewards (env) and the estimator settings."
+            )
+        padded_rows = batch["advantages"].numel() - advantages.numel()
+        batch["advantages"] = torch.cat([advantages, torch.zeros(padded_rows)]).to(batch["advantages"].device)
+        signal = self._sync.any(bool((advantages != 0).any()))
+        return ScoredRollout(rollout, batch, batch_metrics, estimate, estimator_seconds, signal)
+
+    def _redraw_tasks(self, tasks: list[TaskRef], attempt: int) -> list[TaskRef]:
+        """`tasks` with each group's task replaced by one drawn from the training set, seeded
+        by (seed, step, attempt, rank): a resumed run redraws the same tasks."""
+        task_ids = list(self.train_dataset["task_id"])
+        generator = random.Random(f"{self.args.seed}/{self.state.global_step}/{attempt}/{self.accelerator.process_index}")
+        drawn = {group: int(generator.choice(task_ids)) for group in sorted({ref.group for ref in tasks})}
+        return [TaskRef(drawn[ref.group], group=ref.group, attributes=self._task_attributes.get(drawn[ref.group], {})) for ref in tasks]
 
     def on_rollout(self, rollout: Rollout, advantages: torch.Tensor, diagnostics: dict[str, float]) -> None:
         """Called once per training generation with its rollout (one `StepRecord` per

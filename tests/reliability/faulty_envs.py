@@ -172,3 +172,28 @@ class HangOnceEnv(TinyEnv):
             Path(os.environ["HANG_MARKER"]).touch()
             time.sleep(3600)
         return super().step(action)
+
+
+class SignalAfterResetsEnv(TinyEnv):
+    """Every episode ends after one step. The first `quiet_resets` resets (counted over every
+    instance in this process, `SignalAfterResetsEnv.resets`) lose; after them episodes win and
+    lose in turn, so every group of two or more rollouts carries signal."""
+
+    resets = 0
+
+    def __init__(self, size: int = 4, quiet_resets: int = 0):
+        super().__init__(size=size)
+        self.quiet_resets = quiet_resets
+        self._wins = False
+
+    def reset(self, task_id: int) -> StepResult:
+        SignalAfterResetsEnv.resets += 1
+        count = SignalAfterResetsEnv.resets
+        self._wins = count > self.quiet_resets and count % 2 == 0
+        return super().reset(task_id)
+
+    def step(self, action: str) -> StepResult:
+        self.done = True
+        result = self._result("Done.", reward=float(self._wins))
+        result.won = self._wins
+        return result
