@@ -32,6 +32,9 @@ _COLUMNS = {
     "loss": "loss",
     "train/skipped_batches": "skipped",
     "advantage/std": "advantage_std",
+    # with resample_without_signal: retries, and success over every episode the step played
+    "train/resamples": "resamples",
+    "episode/success_rate_all_played": "played_success",
 }
 
 
@@ -49,8 +52,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def learning_curve(log_history: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
-    """One row per logged RL step: step, batch_success, valid_rate, loss, skipped, advantage_std
-    (the columns a step logged; `valid_rate` = 1 − `episode/invalid_action_rate`)."""
+    """One row per logged RL step: step, batch_success, valid_rate, loss, skipped, advantage_std,
+    and with resampling resamples and played_success (the columns a step logged;
+    `valid_rate` = 1 − `episode/invalid_action_rate`)."""
     rows = []
     for entry in log_history:
         if "episode/success_rate" not in entry:
@@ -77,7 +81,12 @@ def plot_learning_curve(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, rates = plt.subplots(figsize=(7, 4))
     steps = [row["step"] for row in curve]
-    for column, label, style in (("batch_success", "training-batch success", "o-"), ("valid_rate", "valid-action rate", "s--")):
+    columns = (
+        ("batch_success", "training-batch success", "o-"),
+        ("played_success", "success of every rollout played (resampled ones too)", "v-."),
+        ("valid_rate", "valid-action rate", "s--"),
+    )
+    for column, label, style in columns:
         points = [(row["step"], row[column]) for row in curve if column in row]
         if points:
             rates.plot(*zip(*points), style, label=label)

@@ -51,9 +51,11 @@ def test_summary_lines_and_curve():
         {"eval/success_rate": 0.5, "step": 0},
         {"episode/success_rate": 0.25, "episode/invalid_action_rate": 0.1, "loss": 0.3, "train/skipped_batches": 0.0, "step": 1},
         {"train_runtime": 3.0, "step": 1},
+        {"episode/success_rate": 0.5, "train/resamples": 2.0, "episode/success_rate_all_played": 1 / 6, "step": 2},
     ]
     assert learning_curve(history) == [
-        {"step": 1, "batch_success": 0.25, "valid_rate": pytest.approx(0.9), "loss": 0.3, "skipped": 0.0}
+        {"step": 1, "batch_success": 0.25, "valid_rate": pytest.approx(0.9), "loss": 0.3, "skipped": 0.0},
+        {"step": 2, "batch_success": 0.5, "resamples": 2.0, "played_success": 1 / 6},
     ]
 
 
