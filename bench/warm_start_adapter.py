@@ -44,7 +44,7 @@ from bipace_trainer.warm_start import demonstration_rows, train_warm_start, WARM
 from train import MAIN_JOB_DEFAULTS, SHIPPED_WARM_START, parse_args  # noqa: E402
 
 # The flags of `python train.py --warm_start_steps N ...` that rebuild the shipped adapter.
-WARM_START = ["--warm_start_steps", "24", "--warm_start_tasks", "0", "--warm_start_batch_size", "4",
+WARM_START = ["--warm_start_steps", "32", "--warm_start_tasks", "0", "--warm_start_batch_size", "4",
               "--warm_start_learning_rate", "1e-3"]
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 

@@ -41,7 +41,7 @@ def test_readme_commands_and_ci_agree():
 
 
 def test_the_main_job_filters_textcraft_goals_only_for_textcraft():
-    assert parse([])[1].env_kwargs == train.MAIN_JOB_ENV_KWARGS["textcraft"] == {"max_expert_steps": 4}
+    assert parse([])[1].env_kwargs == train.MAIN_JOB_ENV_KWARGS["textcraft"] == {"max_expert_steps": 3}
     assert parse(["--env", "tiny"])[1].env_kwargs == {} and parse(["--env_name=tiny"])[1].env_kwargs == {}
     assert parse(["--env_kwargs", '{"max_expert_steps": 6}'])[1].env_kwargs == {"max_expert_steps": 6}
     assert parse(["--config", "recipes/textcraft_qwen2.5-1.5b_gigpo.yaml", "--use_cpu", "true"])[1].env_kwargs == {}
