@@ -50,7 +50,7 @@ from trl.trainer.utils import pad
 from envs.base import resolve_env_class, stratified_subset
 from envs.vector import VectorEnv
 
-from .advantages import StepAdvantageEstimator
+from .advantages import StepAdvantageEstimator, StepEstimate
 from .config import BiPACEConfig
 from .prompting import fit_prompt_ids
 from .micro_batches import piece_weights, split_rows
@@ -105,7 +105,7 @@ class ScoredRollout(NamedTuple):
     rollout: Rollout
     batch: dict[str, Any]
     batch_metrics: dict[str, float]
-    estimate: Any
+    estimate: StepEstimate
     estimator_seconds: float
     signal: bool  # some sample on some rank has a non-zero advantage
 

@@ -180,3 +180,22 @@ def test_warm_start_is_bit_for_bit_reproducible(raw_tiny_dir, tmp_path):
         )
         digests.append(hashlib.sha256((tmp_path / name / "warm_start" / "adapter_model.safetensors").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_main_job_eval_bench_plays_every_held_out_goal_the_asked_number_of_times(raw_tiny_dir, tmp_path):
+    """bench/main_job_eval.py on the tiny setup: each adapter plays each `valid` goal --rollouts times."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bench import main_job_eval
+
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(raw_tiny_dir), lora).save_pretrained(adapter)
+    flags = [*TINY[:-2], "--model_name_or_path", str(raw_tiny_dir), "--lora_r", "4", "--lora_alpha", "8",
+             "--lora_target_modules", "q_proj", "v_proj"]  # fmt: skip
+    results = main_job_eval.main([str(adapter), str(adapter), "--rollouts", "3", *flags])
+    goals = len(TinyEnv.tasks("valid", size=4))
+    assert [r["num_tasks"] for r in results] == [3 * goals, 3 * goals]
+    assert results[0]["temperature"] == 0.4 and all(0.0 <= r["success_rate"] <= 1.0 for r in results)
