@@ -198,7 +198,11 @@ def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
         )
 
 
-def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
+def build_trainer(
+    script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig
+) -> tuple[BiPACETrainer, dict | None]:
+    """What a run trains, after the checks that need no weights: the model (quantized if asked),
+    its warm start, and the trainer; returns (trainer, the warm start's report or None)."""
     model_name = resolve_model_name(model_args.model_name_or_path)
     check_cluster_layer(model_name, training_args)
     check_trackers(training_args)
@@ -227,6 +231,11 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     )
     trainer = BiPACETrainer(model=model, args=training_args, processing_class=tokenizer, peft_config=peft_config)
     trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
+    return trainer, warm_start
+
+
+def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
+    trainer, warm_start = build_trainer(script_args, training_args, model_args)
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         if not trainer.interrupted:  # a stopped run is not final: its weights stay in its last checkpoint

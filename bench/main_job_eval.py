@@ -24,14 +24,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-from trl import get_peft_config  # noqa: E402
 
-from bipace_trainer import BiPACETrainer  # noqa: E402
-from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from bipace_trainer.run_summary import evaluation_summary, format_evaluation  # noqa: E402
-from bipace_trainer.warm_start import apply_warm_start  # noqa: E402
-from train import parse_args  # noqa: E402
+from train import build_trainer, parse_args  # noqa: E402
 
 
 def evaluate(adapter: str, rollouts: int, split: str, train_flags: list[str] = ()) -> dict:
@@ -41,11 +36,7 @@ def evaluate(adapter: str, rollouts: int, split: str, train_flags: list[str] = (
         flags = [*train_flags, "--warm_start_from", adapter, "--output_dir", out, "--eval_tasks", "0",
                  "--eval_rollouts_per_task", str(rollouts), "--disable_tqdm", "true"]  # fmt: skip
         script_args, training_args, model_args = parse_args(flags)
-        model_name = resolve_model_name(model_args.model_name_or_path)
-        tokenizer = load_tokenizer(model_name)
-        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
-        model, peft_config, _ = apply_warm_start(model, tokenizer, script_args, training_args, get_peft_config(model_args))
-        trainer = BiPACETrainer(model=model, args=training_args, processing_class=tokenizer, peft_config=peft_config)
+        trainer, _ = build_trainer(script_args, training_args, model_args)  # as train.py loads it
         try:
             result = trainer.evaluate_policy(tag="bench", split=split)
         finally:
