@@ -31,7 +31,9 @@ def test_success_rises_above_its_start(preset, warm_policy, tmp_path):
         eval_split="train",
         eval_tasks=0,
         eval_rollouts_per_task=8,
-        learning_rate=1e-3,
+        # at 1e-3 bipace_q rose to 0.875 by step 12, then collapsed into invalid replies (eval 0.0),
+        # at 79a1f41 too, with transformers 5.24; at 5e-4 both presets reach >= 0.975
+        learning_rate=5e-4,
         lr_scheduler_type="constant",
         logging_steps=4,
     )
