@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import random
-import statistics
 import threading
-import time
 
 import pytest
 
@@ -172,23 +170,14 @@ def test_registered_under_textcraft():
 
 
 @pytest.mark.slow
-def test_reset_costs_the_same_after_10000_resets():
+def test_recipes_do_not_grow_over_10000_resets():
+    # the unfixed engine extended its recipe lists at every reset (a reset ~1000x slower by
+    # then); the count is what decides, the time only follows from it
     env = TextCraftEnv()
     before = _recipe_count(env)
-
-    def median_reset_seconds(task_id: int) -> float:
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            env.reset(task_id)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    first = median_reset_seconds(7)
     for k in range(10_000):
         env.reset(k)
     assert _recipe_count(env) == before
-    assert median_reset_seconds(7) < 5 * first + 2e-3  # the unfixed engine was ~1000x slower here
 
 
 @pytest.mark.slow

@@ -88,11 +88,28 @@ def main() -> None:
             )
         return logps[0].tolist()
 
-    engine_before = engine_logprobs(trainer.vllm_generation, probe_prompt, probe_completion)[0]
     trainer.train()
     trainer.vllm_generation.sync_weights()  # the last step's weights
     engine_after = engine_logprobs(trainer.vllm_generation, probe_prompt, probe_completion)[0]
     trained = trainer_logprobs()
+
+    # Two LoRA steps move the probe's log-probs by ~0.02 nats, the size of the CPU engine's own
+    # noise, so they cannot tell whether the engine follows the weights. A large, known change
+    # can: every lora_B gets a seeded random push (doubled until the trainer's log-probs move by
+    # more than 2 nats); the engine must still score the old weights before the next sync and
+    # the pushed ones after it.
+    generator = torch.Generator().manual_seed(0)
+    lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+    pushes = [torch.randn(p.shape, generator=generator) for p in lora_b]
+    scale, pushed = 0.25, trained
+    with torch.no_grad():
+        while max(abs(a - b) for a, b in zip(pushed, trained)) <= 2.0 and scale < 64:
+            for p, push in zip(lora_b, pushes):
+                p.add_(push * scale)
+            pushed, scale = trainer_logprobs(), scale * 2
+    engine_stale = engine_logprobs(trainer.vllm_generation, probe_prompt, probe_completion)[0]
+    trainer.vllm_generation.sync_weights()
+    engine_pushed = engine_logprobs(trainer.vllm_generation, probe_prompt, probe_completion)[0]
 
     # The correction switched off: the batch is what it was before the correction existed.
     trainer.vllm_importance_sampling_correction = False
@@ -126,7 +143,10 @@ def main() -> None:
         "weight_syncs": [e["vllm/weight_syncs"] for e in logs if "vllm/weight_syncs" in e],
         "generate_calls": [e.get("time/generate_s") is not None for e in logs],
         "is_metrics": [{k: v for k, v in e.items() if k.startswith("sampling/")} for e in logs if "vllm/weight_syncs" in e],
-        "probe": {"engine_before": engine_before, "engine_after": engine_after, "trainer_after": trained},
+        "probe": {
+            "engine_after": engine_after, "trainer_after": trained,
+            "trainer_pushed": pushed, "engine_stale": engine_stale, "engine_pushed": engine_pushed,
+        },
         "temperatures": trainer.temperatures,
         "eval_temperature": config.eval_temperature,
         "train_temperature": config.temperature,
