@@ -211,12 +211,35 @@ def mean_std(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and the vector ISA flags that decide kernel speed (AVX2, AVX-512,
+    AMX, bf16 support): a speed figure means little without them."""
+    name, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return name, flags
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == (platform.processor() or platform.machine()):
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = sorted(f for f in value.split() if f.startswith(("avx", "amx", "fma", "f16c")))
+            break
+    return name, flags
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (other jobs on the machine make timings noisy: load average)."""
+    cpu, isa = cpu_model()
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_isa": isa,
         "cpu_count": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

