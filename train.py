@@ -302,7 +302,7 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
         model_name = resolve_model_name(model_args.model_name_or_path)
         refusals, changes = run_dir.compare_with_checkpoint(checkpoint, training_args, model_name, output_dir)
         if refusals:
-            raise ConfigError(refusals[0])
+            raise ConfigError(" ".join(refusals))
         if changes:
             print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
     if "tensorboard" in training_args.report_to and "TENSORBOARD_LOGGING_DIR" not in os.environ:

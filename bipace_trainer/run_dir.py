@@ -188,15 +188,26 @@ def compare_with_checkpoint(
     if not saved:
         return refusals, warnings
     now = run_config(args, model_name)
-    changed = [name for name in sorted(set(saved) & set(now)) if saved[name] != now[name]]
-    for name in changed:
-        if name in REFUSED_CHANGES:
-            flag = "model_name_or_path" if name == "model" else name
+    changed = {name for name in set(saved) & set(now) if saved[name] != now[name]}
+    if "preset" in changed:
+        changed.discard("estimator")  # the preset's settings: one change, named once
+    for name in [name for name in REFUSED_CHANGES if name in changed]:
+        if name == "estimator":  # an estimator flag (step_partition, w_step, ...) over the same preset
+            keys = [key for key in now[name] if now[name].get(key) != saved[name].get(key)]
+            what = ", ".join(f"{key}={now[name].get(key)!r}" for key in keys)
             refusals.append(
-                f"{flag}={now[name]!r} differs from {checkpoint.name}'s {saved[name]!r}: resuming would continue another run; "
-                f"drop --{flag} (resume as saved) or start a new run in another --output_dir."
+                f"the estimator settings {what} differ from {checkpoint.name}'s "
+                f"({', '.join(f'{key}={saved[name].get(key)!r}' for key in keys)}): resuming would continue another run; "
+                "drop those flags (resume as saved) or start a new run in another --output_dir."
             )
-        elif name not in FREE_CHANGES:
+            continue
+        flag = "model_name_or_path" if name == "model" else name
+        refusals.append(
+            f"{flag}={now[name]!r} differs from {checkpoint.name}'s {saved[name]!r}: resuming would continue another run; "
+            f"drop --{flag} (resume as saved) or start a new run in another --output_dir."
+        )
+    for name in sorted(changed - set(REFUSED_CHANGES)):
+        if name not in FREE_CHANGES:
             note = _CHANGE_NOTES.get(name)
             warnings.append(f"{name}={now[name]!r} (checkpoint: {saved[name]!r}{'; ' + note if note else ''})")
     return refusals, warnings

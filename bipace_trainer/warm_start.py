@@ -143,8 +143,9 @@ def _check_lora_flags(path, adapter: dict[str, Any], model_args, explicit: set[s
         if flag not in explicit or key not in adapter:
             continue
         wanted, saved = getattr(model_args, flag), adapter[key]
-        if key in ("target_modules", "modules_to_save"):
-            same = set(wanted or []) == set(saved or []) if not isinstance(saved, str) else wanted == [saved]
+        if key in ("target_modules", "modules_to_save"):  # one name may come as a string
+            wanted = [wanted] if isinstance(wanted, str) else list(wanted or [])
+            same = set(wanted) == set([saved] if isinstance(saved, str) else saved or [])
         else:
             same = wanted == saved
         if not same:
