@@ -270,6 +270,7 @@ def build_trainer(
         resume=bool(training_args.resume_from_checkpoint or getattr(script_args, "resume_requested", False)),
     )
     trainer = BiPACETrainer(model=model, args=training_args, processing_class=tokenizer, peft_config=peft_config)
+    run_dir.keep_tensorboard_dir(trainer)  # a resumed run writes on in its run's TensorBoard folder
     trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
     return trainer, warm_start
 
@@ -279,7 +280,7 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
     said so), the output_dir's run (`run_dir.begin_run`: another run's checkpoints refused,
     or removed with --overwrite_output_dir), the resumed run's settings against the
     checkpoint's (a change of what the run is refused, others warned), and the TensorBoard
-    folder (a resumed run writes on in its run's)."""
+    folder (a resumed run writes on in its run's: `build_trainer`)."""
     output_dir = training_args.output_dir
     resume = training_args.resume_from_checkpoint
     script_args.resume_requested = bool(resume)
@@ -305,8 +306,6 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
             raise ConfigError(" ".join(refusals))
         if changes:
             print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
-    if "tensorboard" in training_args.report_to and "TENSORBOARD_LOGGING_DIR" not in os.environ:
-        os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir.tensorboard_dir(output_dir))
 
 
 def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:

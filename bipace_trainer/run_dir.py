@@ -34,6 +34,7 @@ __all__ = [
     "begin_run",
     "run_id",
     "tensorboard_dir",
+    "keep_tensorboard_dir",
     "run_config",
     "compare_with_checkpoint",
     "stop_message",
@@ -143,6 +144,16 @@ def tensorboard_dir(output_dir: str | os.PathLike) -> Path:
     from transformers.integrations.integration_utils import default_logdir
 
     return Path(output_dir) / (_run_record(output_dir).get("tensorboard_dir") or default_logdir())
+
+
+def keep_tensorboard_dir(trainer) -> None:
+    """Point the trainer's TensorBoard callback at the run's folder (`tensorboard_dir`) instead of a
+    new `runs/<time>_<host>` per process start; $TENSORBOARD_LOGGING_DIR, when set, still wins."""
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = str(tensorboard_dir(trainer.args.output_dir))
 
 
 def run_config(args, model_name: str) -> dict[str, Any]:
