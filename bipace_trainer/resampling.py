@@ -40,6 +40,7 @@ def resample_until_signal(
     max_seconds: float,
     stop_requested: Callable[[], bool],
     step: int,
+    agree: Callable[[bool], bool] = bool,
     log: bool = True,
     clock: Callable[[], float] = time.monotonic,
 ) -> ResampleOutcome[S]:
@@ -47,8 +48,9 @@ def resample_until_signal(
 
     Ends at the first batch with signal ("signal"), after `max_attempts` redraws
     ("attempts"), once `max_seconds` have passed since the first redraw began ("time"; 0:
-    no time bound), or when `stop_requested()` (which must agree over ranks) says a stop
-    is due ("stop"). Every rank must call it alike: `replay` runs collective rollouts.
+    no time bound), or when `stop_requested()` says a stop is due ("stop"). Every rank
+    must call it alike (`replay` runs collective rollouts): `agree(flag)` makes the stop
+    or time decision one for all ranks (any over ranks), since each has its own clock and signals.
     """
     played, attempts = [scored], 0
     start = clock()
@@ -57,11 +59,10 @@ def resample_until_signal(
         if attempts >= max_attempts:
             reason = "attempts"
             break
-        if stop_requested():
-            reason = "stop"
-            break
-        if max_seconds and attempts and clock() - start >= max_seconds:
-            reason = "time"
+        stop = bool(stop_requested())
+        late = bool(max_seconds) and attempts > 0 and clock() - start >= max_seconds
+        if agree(stop or late):
+            reason = "stop" if stop or not late else "time"
             break
         attempts += 1
         if log:

@@ -426,8 +426,8 @@ class BiPACETrainer(GRPOTrainer):
         outcome = resampling.resample_until_signal(
             scored, lambda attempt: self._scored_rollout(self._redraw_tasks(tasks, attempt)),
             max_attempts=self.args.resample_without_signal, max_seconds=self.args.resample_max_seconds,
-            stop_requested=lambda: self._sync.any(self._graceful_stop.stop_requested), step=self.state.global_step + 1,
-            log=self.accelerator.is_main_process,
+            stop_requested=lambda: self._graceful_stop.stop_requested, agree=self._sync.any,
+            step=self.state.global_step + 1, log=self.accelerator.is_main_process,
         )
         scored, resamples = outcome.scored, outcome.attempts
         played = [episode for batch in outcome.played for episode in batch.rollout.episodes]
