@@ -21,7 +21,9 @@ from .models import cache_dir
 if TYPE_CHECKING:
     from .trainer import BiPACETrainer
 
-__all__ = ["model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER"]
+__all__ = [
+    "model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER",
+]
 
 logger = logging.getLogger(__name__)
 # The card's own mark: a README.md without it was not written by this project and is kept.

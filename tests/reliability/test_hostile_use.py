@@ -25,7 +25,12 @@ from bipace_trainer import BiPACEConfig, run_dir, show, trajectories  # noqa: E4
 from bipace_trainer.checkpointing import STATE_FILE, _out_of_space  # noqa: E402
 from bipace_trainer.model_card import CARD_MARKER, keep_foreign_readme, table_cell  # noqa: E402
 from bipace_trainer.resampling import resample_until_signal  # noqa: E402
-from bipace_trainer.warm_start import WARM_START_INFO, WarmStartArguments, base_fingerprint, check_warm_start, load_warm_start  # noqa: E402
+from bipace_trainer.warm_start import (  # noqa: E402
+    WARM_START_INFO,
+    base_fingerprint,
+    check_warm_start,
+    load_warm_start,
+)
 
 TINY = ["--env", "tiny", "--env_kwargs", '{"size": 4}', "--use_cpu", "true", "--use_peft", "false",
         "--warm_start_from", ""]  # fmt: skip
@@ -159,7 +164,7 @@ def test_a_killed_dump_writes_partial_file_is_removed_at_the_next_start(tmp_path
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    """Two tiny base models of one architecture (other seeds) and an adapter trained... saved on the first."""
+    """An adapter saved on a tiny base model (seed 0) with its fingerprint, the tokenizer, and another base of the same architecture (seed 1)."""
     from peft import LoraConfig, get_peft_model
 
     from tests.trainer.tiny_setup import make_model, make_tokenizer
