@@ -164,7 +164,8 @@ def test_a_killed_dump_writes_partial_file_is_removed_at_the_next_start(tmp_path
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    """An adapter saved on a tiny base model (seed 0) with its fingerprint, the tokenizer, and another base of the same architecture (seed 1)."""
+    """An adapter saved on a tiny base model (seed 0) with its fingerprint, the tokenizer, and another
+    base model of the same architecture (seed 1)."""
     from peft import LoraConfig, get_peft_model
 
     from tests.trainer.tiny_setup import make_model, make_tokenizer
