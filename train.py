@@ -43,7 +43,9 @@ from accelerate import PartialState  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
-from bipace_trainer.config import FIELD_GROUPS  # noqa: E402
+from bipace_trainer import run_dir  # noqa: E402
+from bipace_trainer.checkpointing import CheckpointWriteError  # noqa: E402
+from bipace_trainer.config import FIELD_GROUPS, printing_only  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
 from bipace_trainer.run_summary import (  # noqa: E402
@@ -110,17 +112,29 @@ class ScriptArguments(WarmStartArguments):
         default=None, metadata={"help": "Write the before/after evaluation summary as JSON to this path."}
     )
     print_config: bool = field(
-        default=False, metadata={"help": "Print the resolved configuration as YAML and exit before loading any model."}
+        default=False,
+        metadata={"help": "Print the resolved configuration as a YAML recipe (--config takes it) and exit; loads nothing."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a new run in an output_dir that holds another run's checkpoints (they are removed)."},
+    )
+
+
+# Not part of a recipe: the print request itself, and the two sizes GRPOConfig derives from each other
+# (it refuses both set; BiPACEConfig derives them from tasks_per_iteration × num_generations again).
+NOT_IN_RECIPE = {"print_config", "generation_batch_size", "steps_per_generation"}
 
 
 def resolved_config(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> str:
     """Every field a run uses, after recipe, flags and defaults, as flat YAML (the keys a
-    recipe or flag sets), then the estimator settings the preset resolves to, as comments."""
+    recipe or flag sets), then the estimator settings the preset resolves to, as comments.
+    It is a recipe: `--config` of it resolves to the same run (NOT_IN_RECIPE left out)."""
 
     def section(title: str, values: dict) -> str:
         plain = json.loads(json.dumps(values, default=str))  # enums, paths, dtypes → YAML scalars
-        return f"# {title}\n" + yaml.safe_dump(dict(sorted(plain.items())), allow_unicode=True, width=1000)
+        kept = {key: value for key, value in sorted(plain.items()) if key not in NOT_IN_RECIPE}
+        return f"# {title}\n" + yaml.safe_dump(kept, allow_unicode=True, width=1000)
 
     estimator = yaml.safe_dump(dataclasses.asdict(training_args.estimator), sort_keys=True).splitlines()
     return "\n".join(
@@ -135,7 +149,8 @@ def resolved_config(script_args: ScriptArguments, training_args: BiPACEConfig, m
 
 
 def check_trackers(training_args: BiPACEConfig) -> None:
-    """Fail before loading weights if a tracker in `report_to` is not installed."""
+    """Fail before loading weights if a tracker in `report_to` is not installed, or if wandb
+    (named, or installed under `all`) has no API key and is not offline."""
     available = set(get_available_reporting_integrations())
     missing = [name for name in training_args.report_to if name not in ("none", "all") and name not in available]
     if missing:
@@ -144,6 +159,30 @@ def check_trackers(training_args: BiPACEConfig) -> None:
             f"(pip install {' '.join(missing)}; tensorboard and trackio: pip install -e \".[tracking]\"), "
             "or set --report_to none."
         )
+    if "wandb" in training_args.report_to and not wandb_credentials():
+        others = [name for name in training_args.report_to if name != "wandb"]
+        raise ConfigError(
+            f"report_to={training_args.report_to} ('all' means every installed tracker) includes wandb, which has no API "
+            "key here: set WANDB_API_KEY (or run wandb login), or WANDB_MODE=offline, or name the trackers you want "
+            f"(--report_to {' '.join(others) if others else 'none'})."
+        )
+
+
+def wandb_credentials() -> bool:
+    """Whether wandb can start a run without asking: offline or disabled, a key in the environment,
+    or a login saved in the netrc file (`wandb login`) for its host."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return True
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0].split(":")[0]
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return f"machine {host}" in " ".join(netrc.read_text().split())
+    except OSError:
+        return False
 
 
 def quantization_kwargs(model_args: ModelConfig) -> dict:
@@ -212,7 +251,7 @@ def build_trainer(
               "(build one with --warm_start_steps N).")
         script_args.warm_start_from = None
     try:
-        check_warm_start(script_args, training_args, model_args.use_peft)
+        check_warm_start(script_args, training_args, model_args.use_peft, model_args, getattr(script_args, "explicit", None))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     remote = training_args.trust_remote_code
@@ -227,14 +266,50 @@ def build_trainer(
         **quantization,
     )
     model, peft_config, warm_start = apply_warm_start(
-        model, tokenizer, script_args, training_args, get_peft_config(model_args)
+        model, tokenizer, script_args, training_args, get_peft_config(model_args),
+        resume=bool(training_args.resume_from_checkpoint or getattr(script_args, "resume_requested", False)),
     )
     trainer = BiPACETrainer(model=model, args=training_args, processing_class=tokenizer, peft_config=peft_config)
+    run_dir.keep_tensorboard_dir(trainer)  # a resumed run writes on in its run's TensorBoard folder
     trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
     return trainer, warm_start
 
 
+def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> None:
+    """Before any weights load: the checkpoint a resume starts from (none yet: a fresh start,
+    said so), the output_dir's run (`run_dir.begin_run`: another run's checkpoints refused,
+    or removed with --overwrite_output_dir), the resumed run's settings against the
+    checkpoint's (a change of what the run is refused, others warned), and the TensorBoard
+    folder (a resumed run writes on in its run's: `build_trainer`)."""
+    output_dir = training_args.output_dir
+    resume = training_args.resume_from_checkpoint
+    script_args.resume_requested = bool(resume)
+    if resume is True:
+        found = run_dir.last_checkpoint(output_dir)
+        if found is None:
+            print(f"resume_from_checkpoint: no checkpoint in {output_dir} yet; starting from step 0.")
+        training_args.resume_from_checkpoint = str(found) if found else None
+    elif resume and not Path(resume).is_dir():
+        raise ConfigError(f"resume_from_checkpoint={resume!r} is not a folder; give a checkpoint-N folder, or true.")
+    try:
+        run_dir.begin_run(
+            output_dir, training_args.resume_from_checkpoint, script_args.overwrite_output_dir,
+            write=training_args.process_index == 0,
+        )
+    except run_dir.RunDirError as err:
+        raise ConfigError(str(err)) from None
+    checkpoint = training_args.resume_from_checkpoint
+    if checkpoint:
+        model_name = resolve_model_name(model_args.model_name_or_path)
+        refusals, changes = run_dir.compare_with_checkpoint(checkpoint, training_args, model_name, output_dir)
+        if refusals:
+            raise ConfigError(" ".join(refusals))
+        if changes:
+            print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
+
+
 def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
+    prepare_output_dir(script_args, training_args, model_args)
     trainer, warm_start = build_trainer(script_args, training_args, model_args)
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -270,13 +345,14 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
     if trainer.accelerator.is_main_process and trainer.interrupted:
         print(
             f"\n=== stopped by SIGTERM at step {summary['steps']} ===\nNothing was saved as the final model or "
-            f"pushed. Resume with --resume_from_checkpoint true (the latest checkpoint in {training_args.output_dir}); "
-            f"exit code {EXIT_STOPPED}."
+            f"pushed; {run_dir.stop_message(training_args.output_dir)} Exit code {EXIT_STOPPED}."
         )
     if trainer.accelerator.is_main_process:
         print("\n=== summary ===")
         print(f"{summary['model']} on {summary['env']} with {summary['preset']}, {summary['steps']} steps")
-        if warm_start and "steps" in warm_start:
+        if warm_start and warm_start.get("reused"):
+            print(f"warm start: the finished one in {warm_start['adapter']} (not trained again on resume)")
+        elif warm_start and "steps" in warm_start:
             print(f"warm start: {warm_start['steps']} SFT steps on {warm_start['rows']} expert steps "
                   f"({warm_start['seconds']:.0f} s), adapter {warm_start['adapter']}")
         elif warm_start:
@@ -372,11 +448,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     try:
         env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
         parser = make_parser(main_job="--config" not in argv, env_name=env_name)
-        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+        printing = printing_only() if "--print_config" in argv else contextlib.nullcontext()
+        with printing:
+            script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
         usage_error(str(err))
     script_args.recipe = recipe
+    script_args.explicit = explicit_settings(argv, recipe)
     return script_args, training_args, model_args
+
+
+def explicit_settings(argv: list[str], recipe: str | None) -> set[str]:
+    """The settings the user gave (flags, and the keys of a --config recipe), as field names;
+    the rest are defaults. A warm start refuses only LoRA flags the user gave against its adapter."""
+    names = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    names |= {"env_name"} if "env" in names else set()
+    if recipe:
+        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError, TypeError):
+            names |= set(yaml.safe_load(Path(recipe).read_text()) or {})
+    return names
 
 
 if __name__ == "__main__":
@@ -391,4 +481,7 @@ if __name__ == "__main__":
         summary = main(script_args, training_args, model_args)
     except ConfigError as err:  # found before the weights load (model config, trackers, quantization)
         usage_error(str(err))
+    except CheckpointWriteError as err:  # a full disk: one line, the previous checkpoint intact
+        sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {err}\n")
+        sys.exit(1)
     sys.exit(EXIT_STOPPED if summary["stopped"] else 0)

@@ -38,6 +38,11 @@ class GracefulStopCallback(TrainerCallback):
         self._training_over = False
         self._previous = None
 
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGTERM asked this rank to stop at the end of the current step."""
+        return self._requested
+
     def _request_stop(self, signum, frame):
         self.trainer.interrupted = True
         state = self.trainer.state

@@ -11,13 +11,17 @@ state) plus the run's own state:
   trains on the same samples (and skips their update or not, as before) instead of
   generating new ones.
 
-`save_atomically` writes all of it into a staging folder and renames it into place;
+`bipace_state.json` also records the run's id and config (`run_dir`), which a resume
+compares with its own. `save_atomically` writes all of it into a staging folder and
+renames it into place (a full disk stops the run with `CheckpointWriteError`, the
+previous checkpoint intact);
 `load_run_state` reads the run's state back; `EpochSeededRepeatSampler` makes a resumed
 run draw the same task order as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -28,6 +32,8 @@ import torch
 from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import RepeatSampler
 
+from . import run_dir as run_files
+
 if TYPE_CHECKING:
     from .trainer import BiPACETrainer
 
@@ -35,6 +41,7 @@ __all__ = [
     "STATE_FILE",
     "BUFFER_FILE",
     "ENV_COUNTERS_FILE",
+    "CheckpointWriteError",
     "save_atomically",
     "load_run_state",
     "EpochSeededRepeatSampler",
@@ -43,6 +50,29 @@ __all__ = [
 STATE_FILE = "bipace_state.json"
 BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
 ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
+
+
+# A write that failed for want of space: errno, or the words torch's zip writer
+# ("[enforce fail at inline_container.cc] . unexpected pos") and safetensors' Rust writer use.
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_SPACE_WORDS = ("unexpected pos", "file write failed", "no space left", "file too large", "quota exceeded",
+                   "storagefull", "filetoolarge", "code: 28", "code: 27")  # fmt: skip
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written for want of disk space; the message is one line
+    naming the checkpoint, the folder, the previous checkpoint (intact) and the fix."""
+
+
+def _out_of_space(err: BaseException | None) -> bool:
+    """Whether `err` (or an error it was raised from) is a write that ran out of space."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in _NO_SPACE_ERRNOS:
+            return True
+        if any(word in str(err).lower() for word in _NO_SPACE_WORDS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def save_atomically(trainer: BiPACETrainer, run_dir: Path, trl_save: Callable[[], None]) -> None:
@@ -63,9 +93,20 @@ def save_atomically(trainer: BiPACETrainer, run_dir: Path, trl_save: Callable[[]
     trainer._checkpoint_staging = str(staging)
     try:
         trl_save()
+        _write_run_state(trainer, staging / name)
+    except Exception as err:
+        if not _out_of_space(err):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # the half-written copy holds space the next save needs
+        previous = run_files.last_checkpoint(run_dir)
+        detail = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise CheckpointWriteError(
+            f"no space left on device while writing {name} in {run_dir} ({detail}); "
+            + (f"the previous checkpoint {previous.name} is intact: free space, then resume with --resume_from_checkpoint true."
+               if previous else "no earlier checkpoint exists: free space and rerun."),
+        ) from None
     finally:
         trainer._checkpoint_staging = None
-    _write_run_state(trainer, staging / name)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(run_dir / name, ignore_errors=True)  # a re-save of the same step after a resume
@@ -85,6 +126,9 @@ def _write_run_state(trainer: BiPACETrainer, directory: Path) -> None:
     rank = trainer.accelerator.process_index
     if trainer.args.should_save:
         state = {"estimator": trainer.estimator.state_dict(), "eval_history": trainer.eval_history}
+        # whose run this is and with which settings, for a resume to compare (`run_dir.compare_with_checkpoint`)
+        state["run_id"] = run_files.run_id(trainer.args.output_dir)
+        state["config"] = run_files.run_config(trainer.args, getattr(trainer.model.config, "_name_or_path", "") or "")
         (directory / STATE_FILE).write_text(json.dumps(state))
     if "train" in trainer._vector_envs:
         path = directory / ENV_COUNTERS_FILE.format(rank=rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -16,7 +17,22 @@ from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "printing_only"]
+
+# Set while `train.py --print_config` parses: the config is printed, not run, so the checks that
+# touch the machine (a GPU for bf16) or the env's data (listing ALFWorld tasks generates games) wait for the run.
+_PRINTING_ONLY = False
+
+
+@contextlib.contextmanager
+def printing_only():
+    """Build configs to print them: skip the device check and the env's task listing (see `_PRINTING_ONLY`)."""
+    global _PRINTING_ONLY
+    saved, _PRINTING_ONLY = _PRINTING_ONLY, True
+    try:
+        yield
+    finally:
+        _PRINTING_ONLY = saved
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
@@ -64,7 +80,7 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "require_think",
-        "action_key_tokens", "resample_without_signal",
+        "action_key_tokens", "resample_without_signal", "resample_max_seconds",
     ),
     "what a run records": ("rollout_dump_steps",),
 }
@@ -73,7 +89,7 @@ FIELD_GROUPS = {
 # Float settings that NaN or infinity would turn into a crash at step 1, blamed on the env.
 _FINITE_FIELDS = (
     "w_ep", "w_step", "step_gamma", "gae_lambda", "invalid_action_penalty", "target_singleton_rate",
-    "max_cluster_eps", "eval_temperature", "env_step_timeout",
+    "max_cluster_eps", "eval_temperature", "env_step_timeout", "resample_max_seconds",
 )
 
 
@@ -143,7 +159,11 @@ class BiPACEConfig(GRPOConfig):
         is played again on tasks drawn afresh from the training set, up to this many times,
         before its update is skipped. Each retry costs a rollout; `train/resamples` counts them
         and `episode/success_rate_all_played` counts every episode played (the kept batch is
-        selected for signal, so its own success rate is biased).
+        selected for signal, so its own success rate is biased). Each attempt is logged as it
+        happens, and a SIGTERM ends the resampling after the attempt in flight.
+    resample_max_seconds (`float`, 0): stop resampling one generation once this many seconds
+        have passed since its first redraw (0: bounded by `resample_without_signal` alone;
+        a time bound makes runs depend on the machine's speed).
     require_think (`bool`, False): a reply without `<think>…</think>` counts as invalid.
     action_key_tokens (`int`, 0): key actions on their first k completion tokens instead of
         the normalised action text (0).
@@ -255,6 +275,10 @@ class BiPACEConfig(GRPOConfig):
         default=0,
         metadata={"help": "Play a generation whose advantages are all 0 again on fresh tasks, up to k times (0: skip it)."},
     )
+    resample_max_seconds: float = field(
+        default=0.0,
+        metadata={"help": "Stop resampling one generation after this many seconds (0: no time bound)."},
+    )
 
     # What a run records
     rollout_dump_steps: int = field(
@@ -276,6 +300,9 @@ class BiPACEConfig(GRPOConfig):
         if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
             # TRL defaults to bf16, which transformers refuses on a CPU-only machine: train in fp32 there.
             self.bf16 = False
+        precision = (self.bf16, self.fp16)
+        if _PRINTING_ONLY:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
+            self.bf16 = self.fp16 = False
         try:
             super().__post_init__()
         except ValueError as err:
@@ -291,6 +318,8 @@ class BiPACEConfig(GRPOConfig):
                 f"{self.tasks_per_iteration} × {self.num_generations}: pick per_device_train_batch_size "
                 f"({self.per_device_train_batch_size}) × processes so that it divides that product."
             ) from None
+        if _PRINTING_ONLY:
+            self.bf16, self.fp16 = precision
         world = self.world_size
         if self.tasks_per_iteration % world:
             raise ValueError(
@@ -334,6 +363,7 @@ class BiPACEConfig(GRPOConfig):
              f"must be below ddp_timeout ({self.ddp_timeout} s): the other ranks wait that long for a hung env's rank"),
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
             (self.resample_without_signal >= 0, "resample_without_signal", "must be >= 0 (0 = skip a batch without signal)"),
+            (self.resample_max_seconds >= 0, "resample_max_seconds", "must be >= 0 (0 = no time bound)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),
             (self.rollout_dump_steps >= 0, "rollout_dump_steps", "must be >= 0 (0 = no rollout dumps)"),
             (self.env_backend in BACKENDS, "env_backend",
@@ -368,6 +398,8 @@ class BiPACEConfig(GRPOConfig):
             ) from None
         except ValueError:  # no introspectable signature (a builtin or C factory): the env build will tell
             pass
+        if _PRINTING_ONLY:  # listing tasks can build data (ALFWorld generates its games)
+            return
         for name in ("train_split", "eval_split"):
             split = getattr(self, name)
             try:

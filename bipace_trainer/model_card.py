@@ -7,7 +7,9 @@ task type, the trackers' run links, and the papers to cite.
 
 from __future__ import annotations
 
+import html
 import importlib.metadata
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +21,13 @@ from .models import cache_dir
 if TYPE_CHECKING:
     from .trainer import BiPACETrainer
 
-__all__ = ["model_card", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS"]
+__all__ = [
+    "model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER",
+]
+
+logger = logging.getLogger(__name__)
+# The card's own mark: a README.md without it was not written by this project and is kept.
+CARD_MARKER = "<!-- model card written by bipace-trainer -->"
 
 PROJECT = "bipace-trainer"
 # title, link (None where none is public); SPEC §4 names which method each preset is
@@ -94,6 +102,28 @@ def _base_model(name_or_path: str) -> tuple[str, str | None]:
     return name_or_path or "unknown", name_or_path or None
 
 
+def table_cell(value) -> str:
+    """`value` as the text of one markdown table cell: HTML escaped (a task name is not markup),
+    `|` escaped (it would end the cell) and line breaks folded into spaces (they would end the row)."""
+    text = html.escape(str(value), quote=False).replace("|", "\\|")
+    return " ".join(text.split())
+
+
+def keep_foreign_readme(directory: str | os.PathLike) -> Path | None:
+    """Before a run writes its card as `<directory>/README.md`: a README.md there that this
+    project did not write (no `CARD_MARKER`: the user's own notes) is renamed to
+    README.previous.md (or -2, -3, ...), with a warning, instead of being overwritten. Returns its new path."""
+    directory = Path(directory)
+    path = directory / "README.md"
+    if not path.is_file() or CARD_MARKER in path.read_text(errors="replace"):
+        return None
+    names = ("README.previous.md", *(f"README.previous-{k}.md" for k in range(2, 10_000)))
+    kept = next(directory / name for name in names if not (directory / name).exists())
+    os.replace(path, kept)
+    logger.warning(f"{path} was not written by {PROJECT}: kept as {kept.name}; the model card will be README.md.")
+    return kept
+
+
 def _evaluation(trainer: BiPACETrainer) -> list[str]:
     args = trainer.args
     final = next((e for e in reversed(trainer.eval_history) if e.get("tag") == "final"), None)
@@ -105,7 +135,7 @@ def _evaluation(trainer: BiPACETrainer) -> list[str]:
         f"(temperature {args.eval_temperature}): **{final['success_rate']:.3f}**"
         + (f" (before training: {before['success_rate']:.3f})" if before else ""),
         "",
-        f"| {trainer.env_class.report_key or 'tasks'} | success after training | before training |",
+        f"| {table_cell(trainer.env_class.report_key or 'tasks')} | success after training | before training |",
         "|---|---|---|",
         f"| all | {final['success_rate']:.3f} | {before['success_rate']:.3f} |" if before
         else f"| all | {final['success_rate']:.3f} | – |",
@@ -113,7 +143,7 @@ def _evaluation(trainer: BiPACETrainer) -> list[str]:
     before_types = (before or {}).get("per_type", {})
     for key, value in final.get("per_type", {}).items():
         earlier = f"{before_types[key]:.3f}" if key in before_types else "–"
-        lines.append(f"| {key} | {value:.3f} | {earlier} |")
+        lines.append(f"| {table_cell(key)} | {value:.3f} | {earlier} |")
     return lines
 
 
@@ -144,6 +174,7 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
         "library_name: peft" if peft else "library_name: transformers",
         "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + args.env_name + ", " + args.preset + "]",
         "---",
+        CARD_MARKER,
         f"# {model_name}",
         "",
         f"An agent for the **{args.env_name}** text environment, trained with step-level RL by "

@@ -10,21 +10,40 @@ reply, the parsed action (marked when invalid), the reward, the return R_t, and 
 advantage, green when positive and red when negative, with the cell (cluster id) and
 PACE branch that produced it. Files come from `--rollout_dump_steps`
 (`bipace_trainer.trajectories`).
+
+The file is read line by line (a dump of any size takes one episode's memory). A line
+that is not an episode record (not a JSON object, or a field of the wrong type) is
+skipped and counted on stderr. Text from the env or the model is shown with its control
+characters escaped (`\\x1b`), so a dump cannot move the cursor or retitle the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
-__all__ = ["load_episodes", "summary_line", "render_episode", "main"]
+__all__ = ["load_episodes", "iter_episodes", "record_problem", "printable", "summary_line", "render_episode", "main"]
 
 RESET, BOLD, DIM, RED, GREEN, YELLOW = "\033[0m", "\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[33m"
 TEXT_WIDTH = 100
+# C0 controls but newline and tab, DEL, C1 controls, and the bidirectional overrides that reorder
+# what a terminal shows ("Trojan source"): what a log viewer must not pass to the terminal raw.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_NUMBER_FIELDS = ("reward", "turns_taken", "invalid_steps")
+_TURN_NUMBER_FIELDS = ("turn", "reward", "return", "advantage")
+
+
+def printable(text: Any) -> str:
+    """`text` with every control character shown as an escape (`\\x1b`, `\\u202e`); newlines and tabs
+    kept, and a lone surrogate (which no terminal encoding takes) shown as "?"."""
+    text = str(text).encode("utf-8", "replace").decode("utf-8")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
 
 
 class _Style:
@@ -41,23 +60,54 @@ class _Style:
         return self(text, GREEN) if value > 0 else self(text, RED) if value < 0 else text
 
 
-def load_episodes(path: str | Path) -> list[dict[str, Any]]:
-    """The episode records of a dump (one JSON object per line)."""
-    episodes = []
-    with open(path) as f:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def record_problem(record: Any) -> str | None:
+    """Why `record` (one parsed line) is not an episode record show can render, or None if it is."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for name in _NUMBER_FIELDS:
+        if record.get(name) is not None and not _is_number(record[name]):
+            return f"{name} is {type(record[name]).__name__}, not a number"
+    turns = record.get("turns", [])
+    if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
+        return "turns is not a list of objects"
+    for turn in turns:
+        for name in _TURN_NUMBER_FIELDS:
+            if turn.get(name) is not None and not _is_number(turn[name]):
+                return f"a turn's {name} is {type(turn[name]).__name__}, not a number"
+    return None
+
+
+def iter_episodes(path: str | Path, skipped: list[tuple[int, str]] | None = None) -> Iterator[dict[str, Any]]:
+    """The episode records of a dump, one line at a time; each line that is not one is
+    appended to `skipped` as (line number, why) instead."""
+    with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                episodes.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not a JSON line ({err}); is this a rollout dump?") from None
-    return episodes
+                problem = f"not JSON ({err})"
+            else:
+                problem = record_problem(record)
+            if problem is None:
+                yield record
+            elif skipped is not None:
+                skipped.append((number, problem))
+
+
+def load_episodes(path: str | Path, skipped: list[tuple[int, str]] | None = None) -> list[dict[str, Any]]:
+    """The episode records of a dump as a list (`iter_episodes`)."""
+    return list(iter_episodes(path, skipped))
 
 
 def _task(episode: dict[str, Any], width: int = 60) -> str:
-    task = " ".join(str(episode.get("task") or "").split())
-    label = f"task {episode.get('task_id')}"
+    task = " ".join(printable(episode.get("task") or "").split())
+    label = f"task {printable(episode.get('task_id'))}"
     return f"{label} {task[: width - 1] + '…' if len(task) > width else task}".rstrip()
 
 
@@ -71,19 +121,19 @@ def summary_line(episode: dict[str, Any], color: bool = False) -> str:
     else:
         outcome = style("truncated" if episode.get("truncated") else "lost", RED)
     parts = [
-        f"episode {episode.get('episode')}",
+        f"episode {printable(episode.get('episode'))}",
         _task(episode),
         outcome,
-        f"{episode.get('turns_taken', len(episode.get('turns', [])))} turns",
-        f"{episode.get('invalid_steps', 0)} invalid",
-        f"reward {episode.get('reward', 0.0):.2f}",
+        f"{printable(episode.get('turns_taken', len(episode.get('turns', []))))} turns",
+        f"{printable(episode.get('invalid_steps', 0))} invalid",
+        f"reward {episode.get('reward') or 0.0:.2f}",
     ]
     return " | ".join(parts)
 
 
-def _block(label: str, text: str, style: _Style) -> list[str]:
+def _block(label: str, text: Any, style: _Style) -> list[str]:
     lines = []
-    for paragraph in str(text).strip().splitlines() or [""]:
+    for paragraph in printable(text).strip().splitlines() or [""]:
         lines += textwrap.wrap(paragraph, TEXT_WIDTH) or [""]
     head = style(f"{label:>12} ", DIM)
     pad = " " * 13
@@ -95,24 +145,48 @@ def render_episode(episode: dict[str, Any], color: bool = False) -> str:
     style = _Style(color)
     out = [style(summary_line(episode, color), BOLD)]
     for turn in episode.get("turns", []):
-        out.append(style(f"  turn {turn['turn']}", BOLD))
+        out.append(style(f"  turn {printable(turn.get('turn'))}", BOLD))
         out += _block("observation", turn.get("observation", ""), style)
         out += _block("reply", turn.get("reply", ""), style)
-        action = str(turn.get("action"))
+        action = printable(turn.get("action"))
         if not turn.get("valid", True):
             action += "  " + style("(invalid reply)", YELLOW)
         out += _block("action", action, style)
         numbers = [
-            f"reward {turn.get('reward', 0.0):.2f}",
+            f"reward {turn.get('reward') or 0.0:.2f}",
             f"return {turn['return']:.3f}" if turn.get("return") is not None else "return –",
             f"advantage {style.signed(turn.get('advantage'))}",
         ]
         if turn.get("cluster") is not None:
-            numbers.append(f"cell {turn['cluster']}")
+            numbers.append(f"cell {printable(turn['cluster'])}")
         if turn.get("branch") is not None:
-            numbers.append(f"branch {turn['branch']}")
+            numbers.append(f"branch {printable(turn['branch'])}")
         out.append(" " * 13 + "  ".join(numbers))
     return "\n".join(out)
+
+
+def _show(args, stream: TextIO, color: bool, skipped: list[tuple[int, str]]) -> int:
+    shown = won = 0
+    for episode in iter_episodes(args.file, skipped):
+        if args.episode is not None and episode.get("episode") != args.episode:
+            continue
+        shown += 1
+        won += bool(episode.get("won"))
+        print(summary_line(episode, color) if args.summary else render_episode(episode, color) + "\n", file=stream)
+    if skipped:
+        number, why = skipped[0]
+        print(f"skipped {len(skipped)} line{'s' * (len(skipped) != 1)} that {'are' if len(skipped) != 1 else 'is'} "
+              f"not an episode record (first: line {number}, {why})", file=sys.stderr)
+    if args.episode is not None and not shown:
+        print(f"error: no episode {args.episode} in {args.file}; --summary lists them.", file=sys.stderr)
+        return 2
+    if not shown:
+        what = "no episode record" if skipped else "no episodes (the file is empty)"
+        print(f"error: {args.file} holds {what}; is this a rollout dump (<output_dir>/rollouts/*.jsonl)?", file=sys.stderr)
+        return 2 if skipped else 1
+    if args.episode is None and shown > 1:
+        print(f"{shown} episodes, {won} won ({won / shown:.0%})", file=stream)
+    return 0
 
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
@@ -125,21 +199,22 @@ def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
     stream = stream or sys.stdout
     color = args.color == "always" or (args.color == "auto" and stream.isatty())
     try:
-        episodes = load_episodes(args.file)
-    except (OSError, ValueError) as err:
+        return _show(args, stream, color, skipped=[])
+    except OSError as err:
+        if isinstance(err, BrokenPipeError):  # `show ... | head`: the reader has all it wanted
+            _silence(stream)
+            return 0
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.episode is not None:
-        episodes = [e for e in episodes if e.get("episode") == args.episode]
-        if not episodes:
-            print(f"error: no episode {args.episode} in {args.file}; --summary lists them.", file=sys.stderr)
-            return 2
-    for episode in episodes:
-        print(summary_line(episode, color) if args.summary else render_episode(episode, color) + "\n", file=stream)
-    if args.episode is None and len(episodes) > 1:
-        won = sum(bool(e.get("won")) for e in episodes)
-        print(f"{len(episodes)} episodes, {won} won ({won / len(episodes):.0%})", file=stream)
-    return 0
+
+
+def _silence(stream: TextIO) -> None:
+    """Point `stream` at /dev/null, so Python's flush at exit raises no second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a test's StringIO)
+        pass
 
 
 if __name__ == "__main__":

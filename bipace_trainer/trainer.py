@@ -55,7 +55,7 @@ from .config import BiPACEConfig
 from .prompting import fit_prompt_ids
 from .micro_batches import piece_weights, split_rows
 from .hidden import PositionCapture, PrefillCapture, forward_hidden_states, resolve_layer_module
-from . import checkpointing, evaluation, trajectories
+from . import checkpointing, evaluation, resampling, run_dir, trajectories
 from .callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
 from .evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
@@ -388,10 +388,12 @@ class BiPACETrainer(GRPOTrainer):
     def train(self, *args, **kwargs):
         """TRL's `train`; a run stopped by SIGTERM returns None with `interrupted` set, and a
         run in which every episode failed raises instead of reporting success."""
+        if self.is_world_process_zero():
+            run_dir.clean_stale_files(self.args.output_dir)  # a killed dump's .partial, the user's README.md
         try:
             output = super().train(*args, **kwargs)
         except TrainingInterrupted as stop:
-            logger.warning(f"Stopped by {stop}; the last checkpoint in {self.args.output_dir} is complete.")
+            logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
             return None
         finally:
             self._graceful_stop.restore_handler()
@@ -420,11 +422,15 @@ class BiPACETrainer(GRPOTrainer):
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is
         # played again on freshly drawn tasks, up to `resample_without_signal` times. Every
         # rank draws and decides alike (`signal` is any over ranks), so all stay in lockstep.
-        resamples, played = 0, list(scored.rollout.episodes)
-        while not scored.signal and resamples < self.args.resample_without_signal:
-            resamples += 1
-            scored = self._scored_rollout(self._redraw_tasks(tasks, resamples))
-            played += scored.rollout.episodes
+        # Bounded, logged as it happens, and ended by SIGTERM (`resampling`).
+        outcome = resampling.resample_until_signal(
+            scored, lambda attempt: self._scored_rollout(self._redraw_tasks(tasks, attempt)),
+            max_attempts=self.args.resample_without_signal, max_seconds=self.args.resample_max_seconds,
+            stop_requested=lambda: self._graceful_stop.stop_requested, agree=self._sync.any,
+            step=self.state.global_step + 1, log=self.accelerator.is_main_process,
+        )
+        scored, resamples = outcome.scored, outcome.attempts
+        played = [episode for batch in outcome.played for episode in batch.rollout.episodes]
         rollout, output, estimate, signal = scored.rollout, scored.batch, scored.estimate, scored.signal
         advantages, diagnostics = estimate.advantage, estimate.diagnostics
         self.on_rollout(rollout, advantages, diagnostics)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 from .advantages import BatchLayout, StepEstimate, step_returns
 from .advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON
+from .prompting import safe_text
 from .rollout import Rollout
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "write_jsonl",
     "dump_path",
     "dump_step",
+    "plain_record",
+    "clean_partial_dumps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,21 +163,45 @@ def fill_completion_logs(logs: dict[str, Any], rows: list[dict[str, Any]]) -> No
     logs["images"] = deque()
 
 
+def plain_record(value: Any) -> Any:
+    """`value` with every string in it (keys too) as `prompting.safe_text` makes it: env text
+    may hold lone surrogates, which no UTF-8 file takes, and control-token markup. The dump
+    shows the text as the model saw it."""
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, dict):
+        return {plain_record(key) if isinstance(key, str) else key: plain_record(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_record(item) for item in value]
+    return value
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> Path:
-    """Write one JSON object per line, atomically: a reader (or a crash) never sees half a file."""
+    """Write one JSON object per line (`plain_record`), atomically: a reader (or a crash) never
+    sees half a file; a killed write leaves a `.<name>.<pid>.partial` that `clean_partial_dumps` removes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with open(partial, "w") as f:
+        with open(partial, "w", encoding="utf-8") as f:
             for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.write(json.dumps(plain_record(record), ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def clean_partial_dumps(output_dir: str | os.PathLike) -> list[Path]:
+    """Remove the `.partial` files a killed dump write left under `<output_dir>/rollouts` (a run
+    calls it when it starts, before it writes any); returns what it removed."""
+    removed = []
+    for partial in sorted((Path(output_dir) / "rollouts").glob(".*.partial")):
+        partial.unlink(missing_ok=True)
+        removed.append(partial)
+    return removed
 
 
 def dump_path(output_dir: str | os.PathLike, step: int, split: str = "train", tag: str = "") -> Path:

@@ -280,11 +280,12 @@ class WebShopEnv(TextEnv):
         seed: int = 0,
         cache_dir: str | None = None,
         human_goals: bool = True,
+        reward: str = "score",
         **_: Any,
     ) -> list[TaskSpec]:
         if split not in cls.splits():
             raise ValueError(f"split={split!r} is not a WebShop split; use one of {cls.splits()}.")
-        _check_settings(source, "score", num_products)
+        _check_settings(source, reward, num_products)  # every setting, so the config check catches a bad one
         cls.check_available(source=source, num_products=num_products)
         goals = _server((source, seed, num_products, cache_dir, bool(human_goals))).goals
         return [

@@ -197,3 +197,16 @@ class SignalAfterResetsEnv(TinyEnv):
         result = self._result("Done.", reward=float(self._wins))
         result.won = self._wins
         return result
+
+
+class ResampleForeverEnv(ConstantRewardEnv):
+    """Never any signal (every rollout equal), and a SIGTERM to its own process at its
+    `SIGTERM_AT_RESET`-th reset (default 12), in the middle of a long resampling."""
+
+    resets = 0
+
+    def reset(self, task_id: int) -> StepResult:
+        ResampleForeverEnv.resets += 1
+        if ResampleForeverEnv.resets == int(os.environ.get("SIGTERM_AT_RESET", "12")):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().reset(task_id)

@@ -178,3 +178,19 @@ def test_train_py_exits_143_after_sigterm(warm_policy_dir, tmp_path):
     assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stopped by SIGTERM at step 1" in proc.stdout
     assert Path(get_last_checkpoint(str(tmp_path))).name == "checkpoint-1"
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resumes_exactly(
+    uninterrupted, warm_policy_dir, tmp_path
+):
+    proc = start(warm_policy_dir, tmp_path, "--fsize-limit-at", "2")  # no file may grow past 64 KiB from step 2
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("run_tiny.py: error:")]  # (progress bars share the stream)
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
+    assert errors[0].startswith(f"run_tiny.py: error: no space left on device while writing checkpoint-2 in {tmp_path}")
+    assert "the previous checkpoint checkpoint-1 is intact" in errors[0]
+    assert Path(get_last_checkpoint(str(tmp_path))).name == "checkpoint-1" and not (tmp_path / ".staging").exists()
+    finish(start(warm_policy_dir, tmp_path, "--resume"))
+    assert_same_run(tmp_path, uninterrupted)

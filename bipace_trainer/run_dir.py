@@ -1,0 +1,242 @@
+"""Whose run an `output_dir` holds, checked before any weights load; and what a stopped run left there.
+
+    run_id = begin_run(args.output_dir, resume, overwrite)    # train.py, before the model loads
+    problems, notes = compare_with_checkpoint(checkpoint, args, model_name)
+    print(stop_message(args.output_dir))                      # what is really there
+
+One output_dir holds one run. `begin_run` refuses a new run in a folder that holds another
+run's checkpoints (the new run's saves would overwrite some of them and leave the others,
+and `--resume_from_checkpoint true` would pick up the old run's last one): resume it,
+pass `--overwrite_output_dir true` (its checkpoints are removed first), or pick another
+folder. Each run gets an id in `<output_dir>/bipace_run.json`; every checkpoint records
+the id and the config of the run that saved it (`checkpointing`), so a resume can tell a
+checkpoint of this run from another's, and a changed setting from the saved one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import get_last_checkpoint
+
+__all__ = [
+    "RUN_FILE",
+    "RunDirError",
+    "checkpoints",
+    "last_checkpoint",
+    "begin_run",
+    "run_id",
+    "tensorboard_dir",
+    "keep_tensorboard_dir",
+    "run_config",
+    "compare_with_checkpoint",
+    "stop_message",
+    "clean_stale_files",
+]
+
+RUN_FILE = "bipace_run.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+# Settings that make a resumed run another run: refused.
+REFUSED_CHANGES = (
+    "model", "env_name", "env_kwargs", "train_split", "preset", "estimator", "num_generations", "tasks_per_iteration",
+)  # fmt: skip
+# Bookkeeping a resume may change freely (where and how often it saves, logs and evaluates, how long it runs).
+FREE_CHANGES = {
+    "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_steps", "num_train_epochs", "run_name",
+    "report_to", "logging_dir", "logging_steps", "logging_strategy", "logging_first_step", "logging_nan_inf_filter",
+    "save_steps", "save_strategy", "save_total_limit", "save_only_model", "save_on_each_node", "push_to_hub",
+    "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
+    "disable_tqdm", "rollout_dump_steps", "log_completions", "num_completions_to_print", "eval_interval",
+    "eval_tasks", "eval_rollouts_per_task", "evaluate_before_training", "eval_temperature", "env_backend",
+    "env_workers", "env_step_timeout", "dataloader_num_workers", "ddp_timeout", "local_rank", "use_cpu",
+    "trust_remote_code", "include_num_input_tokens_seen", "eval_split",
+}  # fmt: skip
+# Why a changed setting does not take effect as the user may think.
+_CHANGE_NOTES = {
+    "learning_rate": "the restored scheduler continues the checkpoint's learning rate",
+    "seed": "the RNG state is the checkpoint's; task draws follow the new seed",
+}
+
+
+class RunDirError(ValueError):
+    """An output_dir or checkpoint that does not fit the run asked for; the message says what to pass."""
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The `checkpoint-N` folders of `output_dir`, by N."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def last_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The latest complete checkpoint (transformers' choice), or None."""
+    if not Path(output_dir).is_dir():
+        return None
+    found = get_last_checkpoint(str(output_dir))
+    return Path(found) if found else None
+
+
+def run_id(output_dir: str | os.PathLike) -> str | None:
+    """The id of the run `output_dir` belongs to, or None (no run started there by train.py)."""
+    return _run_record(output_dir).get("run_id")
+
+
+def _names(paths: list[Path]) -> str:
+    names = [p.name for p in paths]
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)})"
+
+
+def begin_run(
+    output_dir: str | os.PathLike, resume: str | bool | None, overwrite: bool = False, write: bool = True
+) -> str | None:
+    """Check that `output_dir` can take this run and record its id; returns the id.
+
+    A new run (`resume` None) in a folder with checkpoints is refused unless `overwrite`,
+    which removes them (and a half-written `.staging`) first. A resumed run keeps the
+    folder's id; the checkpoint it resumes from must be this run's (`compare_with_checkpoint`).
+    Only the process with `write` (the main one) removes and records anything.
+    """
+    folder = Path(output_dir)
+    found = checkpoints(folder)
+    if not resume and found:
+        if not overwrite:
+            raise RunDirError(
+                f"output_dir={str(folder)!r} holds checkpoints of another run ({_names(found)}): a new run there would "
+                "overwrite some and leave the others. Resume it with --resume_from_checkpoint true, start over with "
+                "--overwrite_output_dir true (its checkpoints are removed), or pick another --output_dir."
+            )
+        if write:
+            for path in [*found, folder / ".staging"]:
+                shutil.rmtree(path, ignore_errors=True)
+            print(f"overwrite_output_dir: removed {_names(found)} of the earlier run in {folder}.")
+    current = _run_record(folder) if resume else {}
+    if current.get("run_id") is None and write:
+        from transformers.integrations.integration_utils import default_logdir
+
+        current = {"run_id": uuid.uuid4().hex, "tensorboard_dir": default_logdir()}
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / RUN_FILE).write_text(json.dumps(current))
+    return current.get("run_id")
+
+
+def _run_record(output_dir: str | os.PathLike) -> dict[str, Any]:
+    try:
+        record = json.loads((Path(output_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def tensorboard_dir(output_dir: str | os.PathLike) -> Path:
+    """The run's TensorBoard folder, `<output_dir>/runs/<time>_<host>` as transformers names it,
+    chosen when the run began (`begin_run`), so a resumed run writes on in the same one."""
+    from transformers.integrations.integration_utils import default_logdir
+
+    return Path(output_dir) / (_run_record(output_dir).get("tensorboard_dir") or default_logdir())
+
+
+def keep_tensorboard_dir(trainer) -> None:
+    """Point the trainer's TensorBoard callback at the run's folder (`tensorboard_dir`) instead of a
+    new `runs/<time>_<host>` per process start; $TENSORBOARD_LOGGING_DIR, when set, still wins."""
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = str(tensorboard_dir(trainer.args.output_dir))
+
+
+def run_config(args, model_name: str) -> dict[str, Any]:
+    """What a checkpoint records of its run's settings: the model, every config field, and
+    the estimator settings the preset resolved to (JSON values)."""
+    config = {"model": str(model_name), **json.loads(json.dumps(args.to_dict(), default=str))}
+    estimator = getattr(args, "estimator", None)
+    if estimator is not None:
+        config["estimator"] = json.loads(json.dumps(asdict(estimator), default=str))
+    return config
+
+
+def _saved_state(checkpoint: Path) -> dict[str, Any]:
+    from .checkpointing import STATE_FILE
+
+    try:
+        return json.loads((checkpoint / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def compare_with_checkpoint(
+    checkpoint: str | os.PathLike, args, model_name: str, output_dir: str | os.PathLike | None = None
+) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) for resuming `checkpoint` with `args` and `model_name`.
+
+    Refused: a checkpoint of another run than `output_dir`'s, and a change of what the run
+    is (`REFUSED_CHANGES`: model, env, preset and the estimator it resolves to, group size).
+    Warned: every other changed setting that is not bookkeeping (`FREE_CHANGES`), with what
+    it does on a resume. A checkpoint from before run ids and configs were recorded gives neither.
+    """
+    checkpoint = Path(checkpoint)
+    state = _saved_state(checkpoint)
+    refusals, warnings = [], []
+    inside = output_dir is not None and checkpoint.resolve().parent == Path(output_dir).resolve()
+    folder_id = run_id(output_dir) if inside else None  # a checkpoint from elsewhere may start a new folder
+    if state.get("run_id") and folder_id and state["run_id"] != folder_id:
+        refusals.append(
+            f"{checkpoint.name} was saved by another run than the one recorded in {output_dir} ({RUN_FILE}): "
+            "resume from a checkpoint of this run, or start over with --overwrite_output_dir true."
+        )
+    saved = state.get("config")
+    if not saved:
+        return refusals, warnings
+    now = run_config(args, model_name)
+    changed = {name for name in set(saved) & set(now) if saved[name] != now[name]}
+    if "preset" in changed:
+        changed.discard("estimator")  # the preset's settings: one change, named once
+    for name in [name for name in REFUSED_CHANGES if name in changed]:
+        if name == "estimator":  # an estimator flag (step_partition, w_step, ...) over the same preset
+            keys = [key for key in now[name] if now[name].get(key) != saved[name].get(key)]
+            what = ", ".join(f"{key}={now[name].get(key)!r}" for key in keys)
+            refusals.append(
+                f"the estimator settings {what} differ from {checkpoint.name}'s "
+                f"({', '.join(f'{key}={saved[name].get(key)!r}' for key in keys)}): resuming would continue another run; "
+                "drop those flags (resume as saved) or start a new run in another --output_dir."
+            )
+            continue
+        flag = "model_name_or_path" if name == "model" else name
+        refusals.append(
+            f"{flag}={now[name]!r} differs from {checkpoint.name}'s {saved[name]!r}: resuming would continue another run; "
+            f"drop --{flag} (resume as saved) or start a new run in another --output_dir."
+        )
+    for name in sorted(changed - set(REFUSED_CHANGES)):
+        if name not in FREE_CHANGES:
+            note = _CHANGE_NOTES.get(name)
+            warnings.append(f"{name}={now[name]!r} (checkpoint: {saved[name]!r}{'; ' + note if note else ''})")
+    return refusals, warnings
+
+
+def stop_message(output_dir: str | os.PathLike) -> str:
+    """What a stopped run left to resume from, as it is on disk."""
+    found = last_checkpoint(output_dir)
+    if found is None:
+        return f"no checkpoint was saved in {output_dir}: a restart begins from step 0."
+    return f"the last complete checkpoint is {found} (resume with --resume_from_checkpoint true)."
+
+
+def clean_stale_files(output_dir: str | os.PathLike) -> None:
+    """What a run cleans when it starts: the `.partial` files of a killed rollout dump, and a
+    README.md the user wrote, kept under another name before the run's card replaces it."""
+    from .model_card import keep_foreign_readme
+    from .trajectories import clean_partial_dumps
+
+    clean_partial_dumps(output_dir)
+    keep_foreign_readme(output_dir)
