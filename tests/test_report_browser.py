@@ -83,9 +83,11 @@ def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_p
     path = write_report(run, report_key=trainer.env_class.report_key)
     dumps = sorted((run / "rollouts").glob("*.jsonl"))
     expected = sum(len(p.read_text().splitlines()) for p in dumps)
-    assert len(dumps) == 4 and expected == 2 * 4 + 2 * trainer.eval_history[-1]["num_tasks"]
+    assert len(dumps) == 4 and expected == 2 * args.tasks_per_iteration * args.num_generations + 2 * trainer.eval_history[-1]["num_tasks"]
 
     page = open_page(browser, path)
+    if os.environ.get("BIPACE_REPORT_KEEP"):  # a page to look at when this test fails
+        shutil.copytree(run, os.environ["BIPACE_REPORT_KEEP"], dirs_exist_ok=True)
     assert page.locator("details.episode").count() == expected
     assert page.locator("#shown-count").inner_text() == f"{expected} of {expected} episodes shown"
     assert page.locator(".js-plotly-plot").count() == 3  # rates, loss, diagnostics drawn by the inlined plotly
