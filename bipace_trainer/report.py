@@ -179,11 +179,15 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
         )
     if rates.data:
         rates.update_layout(yaxis={"range": [-0.05, 1.05], "title": "rate"})
+        if curve and curve[-1]["step"] <= 20:  # a short run: whole steps only on the axis
+            rates.update_xaxes(dtick=1)
         figures["Success and valid actions"] = rates
     losses = [(row["step"], row["loss"]) for row in curve if "loss" in row]
     if losses:
         loss = go.Figure(go.Scatter(x=[s for s, _ in losses], y=[v for _, v in losses], mode="lines+markers", name="loss"))
         loss.update_layout(yaxis={"title": "loss"}, showlegend=False)
+        if losses[-1][0] <= 20:
+            loss.update_xaxes(dtick=1)
         figures["Loss"] = loss
     series = diagnostic_series(log_history)
     if series:
@@ -410,8 +414,10 @@ details.episode > summary { padding: .35em .6em; cursor: pointer; background: #f
 p.task { margin: .4em .6em; font-size: .85em; color: #555; white-space: pre-wrap; }
 table.turns { border-collapse: collapse; width: 100%; font-size: .8em; table-layout: fixed; }
 table.turns th { background: #eee; text-align: left; padding: .2em .4em; }
-table.turns th:nth-child(1) { width: 3em; } table.turns th:nth-child(2), table.turns th:nth-child(3) { width: 30%; }
-table.turns th:nth-child(n+5) { width: 5.5em; } table.turns th:nth-child(9) { width: 8em; }
+table.turns th:nth-child(1) { width: 3em; } table.turns th:nth-child(2), table.turns th:nth-child(3) { width: 28%; }
+table.turns th:nth-child(4) { width: 12%; } table.turns th:nth-child(5) { width: 4.5em; }
+table.turns th:nth-child(6), table.turns th:nth-child(7) { width: 6em; } table.turns th:nth-child(8) { width: 3.5em; }
+table.turns th:nth-child(9) { width: 9em; }
 table.turns td { border-top: 1px solid #e5e5e5; padding: .2em .4em; vertical-align: top; overflow-wrap: anywhere; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; } td.small { font-size: .9em; color: #444; }
 pre { margin: 0; white-space: pre-wrap; font-size: .95em; max-height: 14em; overflow: auto; }
