@@ -191,7 +191,7 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         rollout_dump_steps=1, rollout_batch_size=settings.rollout_batch_size, tasks_per_iteration=1, num_generations=2,
         per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
-        trust_remote_code=settings.trust_remote_code,
+        trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
     )  # fmt: skip
     if settings.use_vllm:
         values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization)
@@ -520,6 +520,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm_mode", default="colocate", choices=("colocate", "server"))
     parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
     parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--use_cpu", action="store_true", help="run on the CPU even with a GPU (gloo across processes)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bars")
     return parser
 
