@@ -149,8 +149,9 @@ def resolve_model(spec: str, base_model: str | None = None) -> ResolvedModel:
     return ResolvedModel(str(path), None, note)
 
 
-def load_policy(resolved: ResolvedModel, trust_remote_code: bool = False):
-    """(model, tokenizer) for `BiPACETrainer`: a name it loads itself and None, or a `PeftModel` and its tokenizer."""
+def load_policy(resolved: ResolvedModel, trust_remote_code: bool = False, dtype: str = "float32"):
+    """(model, tokenizer) for `BiPACETrainer`: a name it loads itself (in `model_init_kwargs`' dtype) and
+    None, or a `PeftModel` on its base loaded in `dtype`, and its tokenizer."""
     if resolved.adapter is None:
         return resolved.model, None
     from peft import PeftModel
@@ -162,7 +163,11 @@ def load_policy(resolved: ResolvedModel, trust_remote_code: bool = False):
     tokenizer_source = resolved.adapter if Path(resolved.adapter, "tokenizer_config.json").is_file() else base
     tokenizer = load_tokenizer(tokenizer_source, truncation_side="left", padding_side="left",
                                trust_remote_code=trust_remote_code)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code)
+    import torch
+
+    model = AutoModelForCausalLM.from_pretrained(
+        base, trust_remote_code=trust_remote_code, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+    )
     return PeftModel.from_pretrained(model, resolved.adapter), tokenizer
 
 
@@ -192,6 +197,7 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
         trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
+        model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
     )  # fmt: skip
     if settings.use_vllm:
         values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization)
@@ -211,7 +217,7 @@ def _build_trainer(resolved: ResolvedModel, config):
     from .trainer import BiPACETrainer
 
     trainer_class = type("PanelTrainer", (_PanelTrainer, BiPACETrainer), {})
-    model, tokenizer = load_policy(resolved, config.trust_remote_code)
+    model, tokenizer = load_policy(resolved, config.trust_remote_code, config.model_init_kwargs["dtype"])
     return trainer_class(model=model, args=config, processing_class=tokenizer)
 
 
@@ -519,6 +525,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--use_vllm", action="store_true", help="generate with vLLM (TRL's; pip install 'trl[vllm]')")
     parser.add_argument("--vllm_mode", default="colocate", choices=("colocate", "server"))
     parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+                        help="weights' dtype (default float32, as train.py loads them)")
     parser.add_argument("--trust_remote_code", action="store_true")
     parser.add_argument("--use_cpu", action="store_true", help="run on the CPU even with a GPU (gloo across processes)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bars")
