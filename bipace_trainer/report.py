@@ -338,7 +338,8 @@ def episode_html(episode: dict[str, Any], dump_index: int, dump_name: str, key: 
     kind = "" if key is None else f"{key}={(episode.get('attributes') or {}).get(key)}"
     result = outcome(episode)
     summary = " · ".join([
-        escape_text(dump_name.removesuffix(".jsonl")), f"episode {escape_text(number)}", f"task {escape_text(episode.get('task_id'))}",
+        escape_text(dump_name.removesuffix(".jsonl")), f"episode {escape_text(number)}",
+        f"task {escape_text(episode.get('task_id'))}",
         escape_text(kind), f'<span class="outcome {result.replace(" ", "-")}">{result}</span>',
         f"{escape_text(episode.get('turns_taken', len(episode.get('turns', []))))} turns",
         f"{escape_text(episode.get('invalid_steps', 0))} invalid", f"reward {_number(episode.get('reward'), '.2f')}",

@@ -83,7 +83,8 @@ def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_p
     path = write_report(run, report_key=trainer.env_class.report_key)
     dumps = sorted((run / "rollouts").glob("*.jsonl"))
     expected = sum(len(p.read_text().splitlines()) for p in dumps)
-    assert len(dumps) == 4 and expected == 2 * args.tasks_per_iteration * args.num_generations + 2 * trainer.eval_history[-1]["num_tasks"]
+    per_step = args.tasks_per_iteration * args.num_generations
+    assert len(dumps) == 4 and expected == 2 * per_step + 2 * trainer.eval_history[-1]["num_tasks"]
 
     page = open_page(browser, path)
     if os.environ.get("BIPACE_REPORT_KEEP"):  # a page to look at when this test fails
@@ -119,7 +120,8 @@ def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_p
     assert page.locator("#shown-count").inner_text() == f"{won} of {expected} episodes shown"
     page.select_option("#filter-outcome", "")
     page.select_option("#filter-dump", "0")
-    assert page.locator("details.episode:visible").count() == len((run / "rollouts" / "step-000001.jsonl").read_text().splitlines())
+    first_dump = (run / "rollouts" / "step-000001.jsonl").read_text().splitlines()
+    assert page.locator("details.episode:visible").count() == len(first_dump)
     assert page.errors == []
     page.close()
 

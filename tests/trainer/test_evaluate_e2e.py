@@ -39,7 +39,8 @@ def run_eval(argv, progress=None):
     for model in result["models"]:
         path = Path(settings.output_dir) / model["label"] / evaluate.EPISODES_FILE
         chunks = [json.loads(line) for line in path.read_text().splitlines()]
-        episodes.append([e | {"seed": c["seed"]} for c in sorted(chunks, key=lambda c: (c["seed"], c["chunk"])) for e in c["episodes"]])
+        chunks.sort(key=lambda c: (c["seed"], c["chunk"]))
+        episodes.append([e | {"seed": c["seed"]} for c in chunks for e in c["episodes"]])
     return result | {"episodes": episodes, "lines": lines}
 
 
