@@ -179,15 +179,11 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
         )
     if rates.data:
         rates.update_layout(yaxis={"range": [-0.05, 1.05], "title": "rate"})
-        if curve and curve[-1]["step"] <= 20:  # a short run: whole steps only on the axis
-            rates.update_xaxes(dtick=1)
         figures["Success and valid actions"] = rates
     losses = [(row["step"], row["loss"]) for row in curve if "loss" in row]
     if losses:
         loss = go.Figure(go.Scatter(x=[s for s, _ in losses], y=[v for _, v in losses], mode="lines+markers", name="loss"))
         loss.update_layout(yaxis={"title": "loss"}, showlegend=False)
-        if losses[-1][0] <= 20:
-            loss.update_xaxes(dtick=1)
         figures["Loss"] = loss
     series = diagnostic_series(log_history)
     if series:
@@ -202,8 +198,11 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
         grid.update_layout(height=max(260, 190 * rows), showlegend=False)
         grid.update_annotations(font_size=11)
         figures["Estimator diagnostics"] = grid
+    short = bool(curve) and curve[-1]["step"] <= 20  # a short run: whole steps only on the axes
     for name, figure in figures.items():
         figure.update_layout(template="plotly_white", margin={"l": 50, "r": 20, "t": 30, "b": 40})
+        if short:
+            figure.update_xaxes(dtick=1)
         if name != "Estimator diagnostics":  # its panels are small: their titles say what they show
             figure.update_xaxes(title_text="RL optimizer step")
     return figures
