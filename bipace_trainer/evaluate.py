@@ -186,6 +186,8 @@ def model_label(spec: str, taken: Sequence[str] = ()) -> str:
 
 def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
     """The `BiPACEConfig` of an evaluation-only trainer: the protocol's settings, one dump per chunk."""
+    from accelerate import PartialState
+
     from .config import BiPACEConfig
 
     values = dict(
@@ -193,7 +195,8 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         preset="grpo",  # evaluation uses no estimator; grpo needs no hidden states (any cluster_layer fits)
         history_length=settings.history_length, max_completion_length=settings.max_completion_length,
         eval_temperature=settings.temperature, eval_split=split, eval_tasks=0, eval_rollouts_per_task=1,
-        rollout_dump_steps=1, rollout_batch_size=settings.rollout_batch_size, tasks_per_iteration=1, num_generations=2,
+        rollout_dump_steps=1, rollout_batch_size=settings.rollout_batch_size, num_generations=2,
+        tasks_per_iteration=PartialState().num_processes,  # unused (no training) but checked: one group per rank
         per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
         trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
