@@ -126,3 +126,28 @@ def test_cli_writes_the_page_and_names_a_bad_directory(run_dir, tmp_path, capsys
 def test_an_empty_run_still_gets_a_page(tmp_path):
     page = report.build_report(tmp_path)
     assert "No RL step was logged" in page and "No rollout dumps" in page and "--rollout_dump_steps" in page
+
+
+def test_train_py_ends_with_the_report_and_a_failing_page_only_warns(run_dir, capsys):
+    from types import SimpleNamespace
+
+    import train
+
+    saved = []
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(is_main_process=True), args=SimpleNamespace(output_dir=str(run_dir)),
+        state=SimpleNamespace(log_history=report.load_log_history(run_dir)), eval_history=report.load_eval_history(run_dir),
+        env_class=SimpleNamespace(report_key="task_type"), save_state=lambda: saved.append(True),
+    )  # fmt: skip
+    path = train.write_run_report(trainer, "a title")
+    assert path == str(run_dir / report.REPORT_FILE) and saved == [True]
+    assert "<title>a title</title>" in (run_dir / report.REPORT_FILE).read_text()
+
+    def broken():
+        raise OSError("disk full")
+
+    trainer.save_state = broken
+    assert train.write_run_report(trainer, "t") is None
+    assert "the report could not be written (OSError: disk full)" in capsys.readouterr().out
+    trainer.accelerator.is_main_process = False
+    assert train.write_run_report(trainer, "t") is None  # other ranks write nothing
