@@ -463,7 +463,7 @@ def run(settings: argparse.Namespace, progress=print) -> dict[str, Any] | None:
 
     from envs.base import resolve_env_class
 
-    state = PartialState()
+    state = PartialState(cpu=settings.use_cpu)  # first: the trainers' TrainingArguments share this state
     say = progress if state.is_main_process else None
     labels: list[str] = []
     models = []
