@@ -48,6 +48,7 @@ from bipace_trainer.checkpointing import CheckpointWriteError  # noqa: E402
 from bipace_trainer.config import FIELD_GROUPS, printing_only  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
+from bipace_trainer.report import write_report  # noqa: E402
 from bipace_trainer.run_summary import (  # noqa: E402
     CURVE_FILE, evaluation_summary, format_evaluation, learning_curve, plot_learning_curve,
 )
@@ -83,6 +84,7 @@ MAIN_JOB_DEFAULTS = dict(
     history_length=1,
     max_completion_length=40,
     eval_tasks=8,
+    rollout_dump_steps=1,  # every step's and evaluation's episodes, for the report's trajectories (~1 MB)
     logging_steps=1,
     save_strategy="no",
     report_to="none",
@@ -308,6 +310,22 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
             print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
 
 
+def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
+    """`<output_dir>/trainer_state.json` (the log the report reads) and `<output_dir>/report.html`
+    (`bipace_trainer.report`), by the main process; None elsewhere or if the page fails (the run is done)."""
+    if not trainer.accelerator.is_main_process:
+        return None
+    try:
+        trainer.save_state()
+        path = write_report(trainer.args.output_dir, log_history=trainer.state.log_history,
+                            eval_history=trainer.eval_history, title=title, report_key=trainer.env_class.report_key)
+    except Exception as err:  # noqa: BLE001 - a page must not cost a finished run its summary
+        print(f"warning: the report could not be written ({type(err).__name__}: {err}); "
+              f"`bipace-report {trainer.args.output_dir}` retries it.")
+        return None
+    return str(path)
+
+
 def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
     prepare_output_dir(script_args, training_args, model_args)
     trainer, warm_start = build_trainer(script_args, training_args, model_args)
@@ -342,6 +360,7 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         title = f"{summary['model']} on {summary['env']}, {summary['preset']}"
         plot = plot_learning_curve(summary["curve"], Path(training_args.output_dir) / CURVE_FILE, trainer.eval_history, title)
         summary["plot"] = str(plot)
+    summary["report"] = write_run_report(trainer, f"{summary['model']} on {summary['env']}, {summary['preset']}")
     if trainer.accelerator.is_main_process and trainer.interrupted:
         print(
             f"\n=== stopped by SIGTERM at step {summary['steps']} ===\nNothing was saved as the final model or "
@@ -370,6 +389,8 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
                   + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
                   f"{last['batch_success']:.2f} at step {last['step']}")
         print(f"learning curve: {summary['plot']}" if summary["plot"] else "learning curve: no RL step logged")
+        print(f"report (curves, evaluations, every dumped step with its credit): {summary['report']}"
+              if summary["report"] else "report: not written (see the warning above)")
         print(f"time: {summary['seconds']['wall']:.0f} s wall, {summary['seconds']['cpu']:.0f} s CPU (this process)")
         print(f"adapter and eval results: {training_args.output_dir}")
         if script_args.summary_file:

@@ -92,7 +92,8 @@ def evaluate_policy(trainer: BiPACETrainer, tag: str, split: str) -> dict[str, A
     """
     args, accelerator = trainer.args, trainer.accelerator
     world, rank = accelerator.num_processes, accelerator.process_index
-    shard = eval_task_refs(trainer.env_class, split, args)[rank::world]
+    # through the trainer's method, so that a subclass can play other tasks (bipace-eval's panels)
+    shard = trainer.eval_task_refs(split)[rank::world]
     was_training = trainer.model.training
     trainer.model.eval()
     start = time.perf_counter()

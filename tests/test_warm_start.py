@@ -5,6 +5,7 @@ and the main job's path on the tiny setup: warm start -> RL whose batches carry 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -195,7 +196,12 @@ def test_main_job_eval_bench_plays_every_held_out_goal_the_asked_number_of_times
     get_peft_model(AutoModelForCausalLM.from_pretrained(raw_tiny_dir), lora).save_pretrained(adapter)
     flags = [*TINY[:-2], "--model_name_or_path", str(raw_tiny_dir), "--lora_r", "4", "--lora_alpha", "8",
              "--lora_target_modules", "q_proj", "v_proj"]  # fmt: skip
-    results = main_job_eval.main([str(adapter), str(adapter), "--rollouts", "3", *flags])
+    results = main_job_eval.main([str(adapter), str(adapter), "--rollouts", "3", "--output_dir", str(tmp_path / "eval"),
+                                  *flags])  # fmt: skip
     goals = len(TinyEnv.tasks("valid", size=4))
     assert [r["num_tasks"] for r in results] == [3 * goals, 3 * goals]
     assert results[0]["temperature"] == 0.4 and all(0.0 <= r["success_rate"] <= 1.0 for r in results)
+    # through bipace-eval: the same adapter twice plays the same episodes (seeds 123, 456, 789 once each)
+    assert [r["label"] for r in results] == ["adapter", "adapter-2"] and results[0]["per_seed"] == results[1]["per_seed"]
+    written = json.loads((tmp_path / "eval" / "bipace_eval.json").read_text())
+    assert written["paired"][0]["difference"] == 0.0 and written["protocol"]["seeds"] == [123, 456, 789]

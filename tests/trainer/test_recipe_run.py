@@ -71,6 +71,10 @@ def test_a_shrunk_recipe_checkpoints_at_its_save_steps(warm_policy_dir, tmp_path
     dumps = sorted(p.name for p in (run / "rollouts").iterdir())
     assert dumps == ["eval-before-step-000000.jsonl", f"eval-final-step-{save_steps + 1:06d}.jsonl",
                      "step-000010.jsonl", "step-000020.jsonl"]
+    # the run ends with its report, which shows every dumped episode
+    assert summary["report"] == str(run / "report.html")
+    episodes = sum(len(p.read_text().splitlines()) for p in (run / "rollouts").glob("*.jsonl"))
+    assert Path(summary["report"]).read_text().count('<details class="episode"') == episodes
 
 
 @pytest.mark.slow

@@ -1,0 +1,583 @@
+"""Evaluate a model the way the papers do: fixed task panels, fixed seeds, intervals, paired comparisons.
+
+    bipace-eval Qwen/Qwen2.5-1.5B-Instruct --env alfworld                    # a Hub id
+    bipace-eval outputs/my-run --env textcraft --split valid                 # a run's output dir / adapter / checkpoint
+    bipace-eval warm_starts/smollm2-135m-textcraft outputs/my-run --env textcraft   # two models: paired difference
+    accelerate launch --num_processes 4 -m bipace_trainer.evaluate MODEL --env webshop --use_vllm
+
+Protocol (`PROTOCOLS`, each value overridable by its flag): the papers validate at temperature
+0.4 with seeds 123, 456 and 789 (SPEC §6); ALFWorld on `valid_seen` and `valid_unseen` (the
+official games when `alfworld-download` put them where `envs.alfworld` looks, else the generated
+ones) at 50 turns; WebShop on its `test` goals at 15 turns; TextCraft on its held-out goals
+(`test_ood`, the recipes' evaluation split) at 30 turns; history window 2. Every task of a split
+is played once per seed (`--tasks N`: N tasks stratified over task types; `--episodes_per_task`).
+
+A model is anything `BiPACETrainer` takes (a Hub id, a local model, "embedded"), a LoRA adapter
+folder (its base from `adapter_config.json`, or `--base_model`), a training checkpoint
+(`checkpoint-N/`), or a run's output directory (its final model, else its newest checkpoint).
+Episodes are played by the trainer's own evaluation (`BiPACETrainer.evaluate_policy`, the code
+every training run evaluates with; each rank plays a slice, results are gathered), in chunks of
+`--chunk_size` episodes; a finished chunk is appended to `<output_dir>/<label>/episodes.jsonl` at
+once, and a rerun with the same settings skips the chunks it finds there (an interrupted run
+resumes, replaying only the unfinished chunk). Each chunk samples under its own seed
+(`chunk_seed`), so a resumed run plays what an uninterrupted one would on the same hardware.
+
+Results: success rate (and WebShop's score) overall and per task type, each with its 95% Wilson
+interval over the episodes of all seeds and its spread over seeds (mean ± sd of the per-seed
+rates); with two models, the paired difference on the same (task, seed) episodes with a 95%
+interval (normal approximation over tasks, each task's difference averaged over its seeds and
+repeats first: episodes of one task are not independent). Written to
+`<output_dir>/bipace_eval.json` and `bipace_eval.md`; the episodes' turns are in
+`<output_dir>/<label>/rollouts/` for `bipace-report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = [
+    "PROTOCOLS",
+    "Protocol",
+    "protocol_for",
+    "resolve_model",
+    "chunk_seed",
+    "evaluate_model",
+    "summarise_model",
+    "paired_difference",
+    "markdown_report",
+    "run",
+    "main",
+]
+
+RESULT_FILE = "bipace_eval.json"
+MARKDOWN_FILE = "bipace_eval.md"
+EPISODES_FILE = "episodes.jsonl"
+Z95 = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """An env's evaluation protocol; every field is a `bipace-eval` flag of the same name."""
+
+    splits: tuple[str, ...]
+    max_turns: int
+    temperature: float = 0.4
+    seeds: tuple[int, ...] = (123, 456, 789)
+    history_length: int = 2
+    max_completion_length: int = 512
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # where the numbers come from
+
+
+# The papers' validation settings (SPEC §6 and the recipes under recipes/, which cite them).
+PROTOCOLS: dict[str, Protocol] = {
+    "alfworld": Protocol(("valid_seen", "valid_unseen"), 50, source="GiGPO/BiPACE: ALFWorld valid splits, <= 50 steps"),
+    "webshop": Protocol(("test",), 15, source="GiGPO/BiPACE: WebShop test goals, <= 15 steps"),
+    "textcraft": Protocol(("test_ood",), 30, source="BiPACE: TextCraft held-out goals (recipes/textcraft_*.yaml)"),
+}
+DEFAULT_PROTOCOL = Protocol(("valid",), 30, source="project default for envs without a published protocol")
+
+
+def protocol_for(env_name: str) -> Protocol:
+    """The env's protocol (`PROTOCOLS`), or `DEFAULT_PROTOCOL` with the env's own evaluation split."""
+    if env_name in PROTOCOLS:
+        return PROTOCOLS[env_name]
+    from envs.base import resolve_env_class
+
+    splits = resolve_env_class(env_name).splits()
+    split = next((s for s in ("valid", "test") if s in splits), splits[-1])
+    return Protocol((split,), DEFAULT_PROTOCOL.max_turns, source=DEFAULT_PROTOCOL.source)
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The sampling seed of one chunk: `seed` for the first, distinct and fixed for the others."""
+    return (seed + 1_000_003 * chunk) % (2**31 - 1)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@dataclass
+class ResolvedModel:
+    """What to load: `model` (a name/path `BiPACETrainer` takes) and an optional LoRA `adapter` on it."""
+
+    model: str
+    adapter: str | None = None
+    note: str = ""
+
+
+def _newest_checkpoint(folder: Path) -> Path | None:
+    steps = [(int(p.name.rpartition("-")[2]), p) for p in folder.glob("checkpoint-*") if p.name.rpartition("-")[2].isdigit()]
+    return max(steps)[1] if steps else None
+
+
+def resolve_model(spec: str, base_model: str | None = None) -> ResolvedModel:
+    """A Hub id, a local model, "embedded", a LoRA adapter folder, a checkpoint or a run's output dir → what to load.
+
+    An adapter's base is `base_model`, else its `adapter_config.json`'s `base_model_name_or_path`;
+    a base recorded as the converted embedded model on another machine is the embedded model here.
+    """
+    from .models import embedded_model_path
+
+    path = Path(spec)
+    if not path.is_dir():
+        return ResolvedModel(spec)  # a Hub id, "embedded", or a typo the loader names
+    note = ""
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        newest = _newest_checkpoint(path)
+        if newest is None:
+            raise ValueError(
+                f"model={spec!r} is a folder with no model (config.json), adapter (adapter_config.json) or checkpoint-N/ "
+                "in it; pass a model folder, an adapter folder, a checkpoint or a run's --output_dir."
+            )
+        path, note = newest, f"no final model in {spec}: its newest checkpoint, {newest.name}"
+    if (path / "adapter_config.json").is_file():
+        base = base_model or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"adapter {path} names no base model; pass --base_model NAME_OR_PATH.")
+        if not base_model and not Path(base).exists() and Path(base).name == embedded_model_path().name:
+            base = "embedded"  # converted on another machine: the same weights are converted here
+        return ResolvedModel(base, str(path), note)
+    return ResolvedModel(str(path), None, note)
+
+
+def load_policy(resolved: ResolvedModel, trust_remote_code: bool = False, dtype: str = "float32"):
+    """(model, tokenizer) for `BiPACETrainer`: a name it loads itself (in `model_init_kwargs`' dtype) and
+    None, or a `PeftModel` on its base loaded in `dtype`, and its tokenizer."""
+    if resolved.adapter is None:
+        return resolved.model, None
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .models import load_tokenizer, resolve_model_name
+
+    base = resolve_model_name(resolved.model)
+    tokenizer_source = resolved.adapter if Path(resolved.adapter, "tokenizer_config.json").is_file() else base
+    tokenizer = load_tokenizer(tokenizer_source, truncation_side="left", padding_side="left",
+                               trust_remote_code=trust_remote_code)  # fmt: skip
+    import torch
+
+    model = AutoModelForCausalLM.from_pretrained(
+        base, trust_remote_code=trust_remote_code, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+    )
+    return PeftModel.from_pretrained(model, resolved.adapter), tokenizer
+
+
+def model_label(spec: str, taken: Sequence[str] = ()) -> str:
+    """A short, file-safe name for a model (its folder or Hub id), unique among `taken`."""
+    name = Path(spec.rstrip("/")).name or spec
+    label = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name) or "model"
+    candidate, n = label, 2
+    while candidate in taken:
+        candidate, n = f"{label}-{n}", n + 1
+    return candidate
+
+
+# ---------------------------------------------------------------------------------------------- playing
+
+
+def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
+    """The `BiPACEConfig` of an evaluation-only trainer: the protocol's settings, one dump per chunk."""
+    from accelerate import PartialState
+
+    from .config import BiPACEConfig
+
+    values = dict(
+        output_dir=str(output_dir), env_name=settings.env, env_kwargs=settings.env_kwargs, max_turns=settings.max_turns,
+        preset="grpo",  # evaluation uses no estimator; grpo needs no hidden states (any cluster_layer fits)
+        history_length=settings.history_length, max_completion_length=settings.max_completion_length,
+        eval_temperature=settings.temperature, eval_split=split, eval_tasks=0, eval_rollouts_per_task=1,
+        rollout_dump_steps=1, rollout_batch_size=settings.rollout_batch_size, num_generations=2,
+        tasks_per_iteration=PartialState().num_processes,  # unused (no training) but checked: one group per rank
+        per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
+        trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
+        model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
+    )  # fmt: skip
+    if settings.use_vllm:
+        values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization)
+    return BiPACEConfig(**values)
+
+
+class _PanelTrainer:
+    """Mixin: the trainer's evaluation plays `panel` (a list of `TaskRef`) instead of its split's tasks."""
+
+    panel: list = []
+
+    def eval_task_refs(self, split=None):
+        return list(self.panel)
+
+
+def _build_trainer(resolved: ResolvedModel, config):
+    from .trainer import BiPACETrainer
+
+    trainer_class = type("PanelTrainer", (_PanelTrainer, BiPACETrainer), {})
+    model, tokenizer = load_policy(resolved, config.trust_remote_code, config.model_init_kwargs["dtype"])
+    return trainer_class(model=model, args=config, processing_class=tokenizer)
+
+
+def panel_units(specs: Sequence[Any], episodes_per_task: int) -> list[tuple[Any, int]]:
+    """(task spec, repeat) of every episode one seed plays, in a fixed order."""
+    return [(spec, repeat) for spec in specs for repeat in range(episodes_per_task)]
+
+
+def _read_done(path: Path) -> dict[tuple[str, int, int], list[dict[str, Any]]]:
+    """{(split, seed, chunk): episodes} of every complete chunk line; a cut last line is ignored (replayed)."""
+    done: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    if not path.is_file():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[(entry["split"], int(entry["seed"]), int(entry["chunk"]))] = entry["episodes"]
+    return done
+
+
+def _append_line(path: Path, entry: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _episode_result(record: dict[str, Any], unit: tuple[Any, int], reports_score: bool) -> dict[str, Any]:
+    spec, repeat = unit
+    result = {
+        "task_id": record["task_id"], "repeat": repeat, "attributes": record.get("attributes") or spec.attributes,
+        "won": bool(record["won"]), "turns": record.get("turns_taken"), "invalid_steps": record.get("invalid_steps"),
+        "failed": bool(record.get("failed")), "reward": record.get("reward"),
+    }  # fmt: skip
+    if reports_score:  # WebShop pays its score at the purchase, the episode's only reward
+        result["score"] = float(record.get("score", record.get("reward") or 0.0))
+    return result
+
+
+def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress=None) -> dict[str, list[dict[str, Any]]]:
+    """Play `spec` on every split × seed × chunk of the protocol not already in its episodes file.
+
+    Returns {split: episodes}, each episode {task_id, repeat, seed, attributes, won, turns, ...}.
+    Every rank must call it (the trainer's evaluation gathers over ranks); the main process writes.
+    """
+    from transformers import set_seed
+
+    from envs.base import resolve_env_class, stratified_subset
+
+    from .rollout import TaskRef
+    from .trajectories import dump_path
+
+    folder = Path(settings.output_dir) / label
+    episodes_file = folder / EPISODES_FILE
+    done = _read_done(episodes_file)
+    env_class = resolve_env_class(settings.env)
+    reports_score = getattr(env_class, "reports_score", False)
+    plan = []
+    for split in settings.split:
+        specs = stratified_subset(env_class.tasks(split, **settings.env_kwargs), settings.tasks, env_class.report_key, "tasks")
+        units = panel_units(specs, settings.episodes_per_task)
+        chunks = [units[i : i + settings.chunk_size] for i in range(0, len(units), settings.chunk_size)]
+        plan += [(split, seed, index, chunk) for seed in settings.seeds for index, chunk in enumerate(chunks)]
+    todo = [item for item in plan if item[:3] not in done]
+    resolved = resolve_model(spec, settings.base_model)
+    if progress:
+        progress(f"{label}: {len(plan) - len(todo)} of {len(plan)} chunks already played" if len(todo) < len(plan)
+                 else f"{label}: {len(plan)} chunks of <= {settings.chunk_size} episodes to play")  # fmt: skip
+        if resolved.note:
+            progress(f"{label}: {resolved.note}")
+    trainer = None
+    try:
+        for number, (split, seed, index, chunk) in enumerate(todo, 1):
+            if trainer is None:
+                trainer = _build_trainer(resolved, _eval_config(settings, folder, split))
+            trainer.panel = [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, (spec, _) in enumerate(chunk)]
+            set_seed(chunk_seed(seed, index))
+            tag = f"{split}-seed{seed}-chunk{index:04d}"
+            result = trainer.evaluate_policy(tag=tag, split=split)
+            if trainer.accelerator.is_main_process:
+                records = match_records(_read_dump(dump_path(folder, trainer.state.global_step, "eval", tag)), chunk)
+                episodes = [_episode_result(r, unit, reports_score) for r, unit in zip(records, chunk)]
+                _append_line(episodes_file, {"split": split, "seed": seed, "chunk": index, "episodes": episodes})
+                done[(split, seed, index)] = episodes
+                if progress:
+                    progress(f"{label}: chunk {number}/{len(todo)} ({split}, seed {seed}): "
+                             f"{result['success_rate']:.3f} of {len(chunk)} episodes")  # fmt: skip
+    finally:
+        if trainer is not None:
+            trainer.close_envs()
+    by_split: dict[str, list[dict[str, Any]]] = {split: [] for split in settings.split}
+    for split, seed, index, _ in plan:
+        for episode in done.get((split, seed, index), []):
+            by_split[split].append(episode | {"seed": seed})
+    return by_split
+
+
+def _read_dump(path: Path) -> list[dict[str, Any]]:
+    from .show import load_episodes
+
+    return load_episodes(path)
+
+
+def match_records(records: Sequence[dict[str, Any]], chunk: Sequence[tuple[Any, int]]) -> list[dict[str, Any]]:
+    """The dump's episode records in the order of `chunk`'s (task, repeat) units.
+
+    Ranks play interleaved slices of the chunk, so records are matched by task id; the repeats of
+    one task go in (rank, episode) order, the same on every run with the same number of processes."""
+    by_task: dict[int, list[dict[str, Any]]] = {}
+    for record in sorted(records, key=lambda r: (r.get("rank", 0), r["episode"])):
+        by_task.setdefault(int(record["task_id"]), []).append(record)
+    ordered = []
+    for spec, _ in chunk:
+        mine = by_task.get(int(spec.task_id))
+        if not mine:
+            raise RuntimeError(f"the evaluation dump holds no episode of task {spec.task_id}; was it cut short?")
+        ordered.append(mine.pop(0))
+    return ordered
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+def wilson(successes: int, n: int) -> list[float] | None:
+    from .run_summary import wilson_interval
+
+    return list(wilson_interval(successes, n)) if n else None
+
+
+def _rates(episodes: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
+    """Success (k of n, 95% Wilson interval), the per-seed rates with their mean and sd, and the mean score."""
+    n = len(episodes)
+    won = sum(e["won"] for e in episodes)
+    per_seed = {}
+    for seed in seeds:
+        mine = [e["won"] for e in episodes if e["seed"] == seed]
+        if mine:
+            per_seed[str(seed)] = sum(mine) / len(mine)
+    values = list(per_seed.values())
+    out = {
+        "episodes": n, "successes": won, "success_rate": won / n if n else None, "ci95": wilson(won, n),
+        "per_seed": per_seed, "seed_mean": statistics.fmean(values) if values else None,
+        "seed_sd": statistics.stdev(values) if len(values) > 1 else 0.0 if values else None,
+    }  # fmt: skip
+    if episodes and "score" in episodes[0]:
+        out["score"] = statistics.fmean(e["score"] for e in episodes)
+    return out
+
+
+def summarise_model(episodes: Sequence[dict[str, Any]], report_key: str | None, seeds: Sequence[int]) -> dict[str, Any]:
+    """Overall and per task type (`report_key` attribute) `_rates`, plus invalid replies and env failures."""
+    summary = {"overall": _rates(episodes, seeds), "per_type": {}}
+    if report_key:
+        kinds = sorted({str(e["attributes"].get(report_key)) for e in episodes})
+        for kind in kinds:
+            mine = [e for e in episodes if str(e["attributes"].get(report_key)) == kind]
+            summary["per_type"][f"{report_key}={kind}"] = _rates(mine, seeds)
+    turns = sum(e.get("turns") or 0 for e in episodes)
+    if turns:
+        summary["valid_action_rate"] = 1 - sum(e.get("invalid_steps") or 0 for e in episodes) / turns
+    summary["env_failures"] = sum(e.get("failed", False) for e in episodes)
+    return summary
+
+
+def paired_difference(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Success of `first` minus `second` on the episodes both played (same task, seed, repeat).
+
+    d_task = mean over the task's shared episodes of (won_1 − won_2); the difference is the mean
+    of d_task over T tasks and its 95% interval mean ± 1.96 · sd(d_task) / √T (tasks are the
+    independent unit; T < 2 gives no interval)."""
+    key = lambda e: (e["task_id"], e["seed"], e["repeat"])  # noqa: E731
+    second_by_key = {key(e): e for e in second}
+    per_task: dict[int, list[float]] = {}
+    for e in first:
+        other = second_by_key.get(key(e))
+        if other is not None:
+            per_task.setdefault(e["task_id"], []).append(float(e["won"]) - float(other["won"]))
+    diffs = [statistics.fmean(v) for v in per_task.values()]
+    pairs = sum(len(v) for v in per_task.values())
+    if not diffs:
+        return {"pairs": 0, "tasks": 0, "difference": None, "ci95": None}
+    mean = statistics.fmean(diffs)
+    half = Z95 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"pairs": pairs, "tasks": len(diffs), "difference": mean,
+            "ci95": [mean - half, mean + half] if half is not None else None}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _cell_rate(rates: dict[str, Any]) -> str:
+    if not rates["episodes"]:
+        return "–"
+    low, high = rates["ci95"]
+    return f"{rates['success_rate']:.3f} ({rates['successes']}/{rates['episodes']}, {low:.3f}–{high:.3f})"
+
+
+def _cell_seeds(rates: dict[str, Any]) -> str:
+    return "–" if rates["seed_mean"] is None else f"{rates['seed_mean']:.3f} ± {rates['seed_sd']:.3f}"
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    """The tables: per model and split, success per task type; then the paired differences."""
+    protocol = result["protocol"]
+    lines = [
+        f"# bipace-eval: {protocol['env']}",
+        "",
+        f"temperature {protocol['temperature']}, seeds {', '.join(map(str, protocol['seeds']))}, "
+        f"≤ {protocol['max_turns']} turns, history {protocol['history_length']}, "
+        f"{protocol['episodes_per_task']} episode(s) per task and seed. Success: k/n with the 95% Wilson interval "
+        "over all seeds' episodes; seeds: mean ± sd of the per-seed rates.",
+    ]
+    for model in result["models"]:
+        for split, summary in model["splits"].items():
+            score = "score" in summary["overall"]
+            lines += ["", f"## {model['label']} on {split}", "", f"model: `{model['model']}`"
+                      + (f", adapter `{model['adapter']}`" if model.get("adapter") else ""), ""]  # fmt: skip
+            header = "| task type | success (k/n, 95% CI) | seeds (mean ± sd) |" + (" score |" if score else "")
+            lines += [header, "|---|---|---|" + ("---|" if score else "")]
+            rows = [("all", summary["overall"]), *summary["per_type"].items()]
+            for kind, rates in rows:
+                extra = f" {rates['score']:.3f} |" if score else ""
+                lines.append(f"| {kind} | {_cell_rate(rates)} | {_cell_seeds(rates)} |{extra}")
+    if result.get("paired"):
+        lines += ["", "## Paired difference (same tasks and seeds)", "",
+                  "| split | first − second | pairs (tasks) | difference | 95% CI |", "|---|---|---|---|---|"]  # fmt: skip
+        for pair in result["paired"]:
+            interval = "–" if pair["ci95"] is None else f"{pair['ci95'][0]:+.3f} to {pair['ci95'][1]:+.3f}"
+            difference = "–" if pair["difference"] is None else f"{pair['difference']:+.3f}"
+            lines.append(f"| {pair['split']} | {pair['first']} − {pair['second']} | {pair['pairs']} ({pair['tasks']}) | "
+                         f"{difference} | {interval} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run(settings: argparse.Namespace, progress=print) -> dict[str, Any] | None:
+    """Evaluate every model of `settings.models`, compare the first two, write the files; the result (main process)."""
+    from accelerate import PartialState
+
+    from envs.base import resolve_env_class
+
+    state = PartialState(cpu=settings.use_cpu)  # first: the trainers' TrainingArguments share this state
+    say = progress if state.is_main_process else None
+    labels: list[str] = []
+    models = []
+    for spec in settings.models:
+        label = model_label(spec, labels)
+        labels.append(label)
+        episodes = evaluate_model(spec, settings, label, say)
+        resolved = resolve_model(spec, settings.base_model)
+        models.append({"label": label, "model": resolved.model, "adapter": resolved.adapter, "spec": spec,
+                       "episodes": episodes})  # fmt: skip
+    if not state.is_main_process:
+        return None
+    report_key = resolve_env_class(settings.env).report_key
+    result: dict[str, Any] = {
+        "protocol": {
+            "env": settings.env, "splits": list(settings.split), "temperature": settings.temperature,
+            "seeds": list(settings.seeds), "max_turns": settings.max_turns, "history_length": settings.history_length,
+            "max_completion_length": settings.max_completion_length, "episodes_per_task": settings.episodes_per_task,
+            "tasks": settings.tasks, "env_kwargs": settings.env_kwargs, "source": settings.protocol_source,
+        },
+        "models": [],
+        "paired": [],
+    }  # fmt: skip
+    for model in models:
+        splits = {split: summarise_model(eps, report_key, settings.seeds) for split, eps in model["episodes"].items()}
+        result["models"].append({k: v for k, v in model.items() if k != "episodes"} | {"splits": splits})
+    if len(models) >= 2:
+        first, second = models[0], models[1]
+        for split in settings.split:
+            pair = paired_difference(first["episodes"][split], second["episodes"][split])
+            result["paired"].append({"split": split, "first": first["label"], "second": second["label"], **pair})
+    result["markdown"] = markdown_report(result)
+    out = Path(settings.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    (out / MARKDOWN_FILE).write_text(result["markdown"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bipace-eval", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("models", nargs="+", help="one model, or two to compare (Hub id, folder, adapter, checkpoint, run)")
+    parser.add_argument("--env", default="textcraft", help="a registered env or package.module:Class (default textcraft)")
+    parser.add_argument("--split", nargs="+", help="splits to play (default: the env's protocol)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="sampling seeds (default 123 456 789)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.4)")
+    parser.add_argument("--max_turns", type=int, help="turn budget (default: the env's protocol)")
+    parser.add_argument("--history_length", type=int, help="past turns in each prompt (default 2)")
+    parser.add_argument("--max_completion_length", type=int, help="tokens per reply (default 512)")
+    parser.add_argument("--env_kwargs", type=json.loads, help='env options as JSON, e.g. \'{"max_expert_steps": 3}\'')
+    parser.add_argument("--tasks", type=int, default=0, help="tasks per split, stratified over task types (0: all)")
+    parser.add_argument("--episodes_per_task", type=int, default=1, help="episodes per task and seed")
+    parser.add_argument("--chunk_size", type=int, default=64, help="episodes played (and saved) together")
+    parser.add_argument("--base_model", help="base model of a LoRA adapter (default: the adapter's own record)")
+    parser.add_argument("--output_dir", default="outputs/bipace_eval", help="where results and episodes go")
+    parser.add_argument("--rollout_batch_size", type=int, default=0, help="prompts per generate call (0: all active)")
+    parser.add_argument("--use_vllm", action="store_true", help="generate with vLLM (TRL's; pip install 'trl[vllm]')")
+    parser.add_argument("--vllm_mode", default="colocate", choices=("colocate", "server"))
+    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+                        help="weights' dtype (default float32, as train.py loads them)")
+    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--use_cpu", action="store_true", help="run on the CPU even with a GPU (gloo across processes)")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Flags over the env's protocol; bad values exit with one line naming the flag."""
+    parser = make_parser()
+    settings = parser.parse_args(argv)
+    try:
+        protocol = protocol_for(settings.env)
+    except ValueError as err:
+        parser.error(f"--env {settings.env}: {err}")
+    defaults = {
+        "split": list(protocol.splits), "seeds": list(protocol.seeds), "temperature": protocol.temperature,
+        "max_turns": protocol.max_turns, "history_length": protocol.history_length,
+        "max_completion_length": protocol.max_completion_length, "env_kwargs": dict(protocol.env_kwargs),
+    }  # fmt: skip
+    for name, value in defaults.items():
+        if getattr(settings, name) is None:
+            setattr(settings, name, value)
+    settings.protocol_source = protocol.source
+    checks = (
+        (len(settings.models) <= 2, "models", "give one model, or two to compare"),
+        (settings.temperature >= 0, "--temperature", "must be >= 0"),
+        (settings.max_turns >= 1, "--max_turns", "must be >= 1"),
+        (settings.episodes_per_task >= 1, "--episodes_per_task", "must be >= 1"),
+        (settings.chunk_size >= 1, "--chunk_size", "must be >= 1"),
+        (settings.tasks >= 0, "--tasks", "must be >= 0 (0: all)"),
+        (len(set(settings.seeds)) == len(settings.seeds), "--seeds", "must not repeat a seed"),
+        (isinstance(settings.env_kwargs, dict), "--env_kwargs", "must be a JSON object"),
+    )
+    for ok, name, fix in checks:
+        if not ok:
+            parser.error(f"{name}: {fix}")
+    return settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    settings = parse_args(argv)
+    result = run(settings, progress=lambda line: print(line, flush=True))
+    if result is not None:
+        print(result["markdown"])
+        print(f"results: {Path(settings.output_dir) / RESULT_FILE} and {MARKDOWN_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""`bipace-eval` without a model: the protocol and its overrides, what a model spec resolves to,
+the statistics (against slow references written here), record matching and resume bookkeeping.
+The end-to-end runs on the tiny model are in tests/trainer/test_evaluate_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bipace_trainer import evaluate
+from bipace_trainer.run_summary import wilson_interval
+
+
+def test_each_env_gets_the_papers_protocol_and_flags_override_it():
+    alfworld = evaluate.parse_args(["m", "--env", "alfworld"])
+    assert (alfworld.split, alfworld.max_turns, alfworld.temperature, alfworld.seeds) == (
+        ["valid_seen", "valid_unseen"], 50, 0.4, [123, 456, 789])
+    webshop = evaluate.parse_args(["m", "--env", "webshop"])
+    assert (webshop.split, webshop.max_turns) == (["test"], 15)
+    textcraft = evaluate.parse_args(["m"])
+    assert (textcraft.env, textcraft.split, textcraft.max_turns, textcraft.history_length) == ("textcraft", ["test_ood"], 30, 2)
+    custom = evaluate.parse_args(["a", "b", "--env", "tiny", "--split", "valid", "--seeds", "1", "2", "--temperature", "0",
+                                  "--max_turns", "4", "--env_kwargs", '{"size": 5}'])  # fmt: skip
+    assert (custom.models, custom.split, custom.seeds, custom.temperature, custom.max_turns, custom.env_kwargs) == (
+        ["a", "b"], ["valid"], [1, 2], 0.0, 4, {"size": 5})
+    assert evaluate.parse_args(["m", "--env", "tiny"]).split == ["valid"]  # no published protocol: the env's own split
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["a", "b", "c"], "models: give one model, or two"),
+        (["a", "--seeds", "1", "1"], "--seeds: must not repeat"),
+        (["a", "--chunk_size", "0"], "--chunk_size: must be >= 1"),
+        (["a", "--env_kwargs", "[1]"], "--env_kwargs: must be a JSON object"),
+    ],
+)
+def test_bad_flags_exit_with_one_line_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        evaluate.parse_args(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_model_specs_resolve_to_what_to_load(tmp_path):
+    assert evaluate.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == evaluate.ResolvedModel("Qwen/Qwen2.5-1.5B-Instruct")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text("{}")
+    assert evaluate.resolve_model(str(full)) == evaluate.ResolvedModel(str(full))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(full)}))
+    assert evaluate.resolve_model(str(adapter)) == evaluate.ResolvedModel(str(full), str(adapter))
+    assert evaluate.resolve_model(str(adapter), base_model="other").model == "other"
+    # the shipped warm start records the converted embedded model of the machine that built it
+    elsewhere = tmp_path / "adapter2"
+    elsewhere.mkdir()
+    (elsewhere / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "/nowhere/.cache/bipace_trainer/models/SmolLM2-135M-Instruct"}))
+    assert evaluate.resolve_model(str(elsewhere)).model == "embedded"
+    # a run's output dir without a final model: its newest checkpoint
+    run = tmp_path / "run"
+    for step in (5, 20, 10):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "config.json").write_text("{}")
+    resolved = evaluate.resolve_model(str(run))
+    assert resolved.model == str(run / "checkpoint-20") and "checkpoint-20" in resolved.note
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model .*config.json"):
+        evaluate.resolve_model(str(tmp_path / "empty"))
+
+
+def test_labels_are_file_safe_and_unique():
+    assert evaluate.model_label("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen2.5-1.5B-Instruct"
+    assert evaluate.model_label("outputs/run/", ["run"]) == "run-2"
+    assert evaluate.model_label("a b:c") == "a_b_c"
+
+
+def _episode(task, seed, repeat, won, kind="x", score=None):
+    episode = {"task_id": task, "seed": seed, "repeat": repeat, "won": won, "attributes": {"kind": kind}, "turns": 4,
+               "invalid_steps": 1, "failed": False}  # fmt: skip
+    return episode | ({"score": score} if score is not None else {})
+
+
+def test_summary_per_type_with_wilson_intervals_and_seed_spread():
+    episodes = [
+        _episode(1, 123, 0, True, "a", 1.0), _episode(2, 123, 0, False, "b", 0.5),
+        _episode(1, 456, 0, True, "a", 1.0), _episode(2, 456, 0, True, "b", 0.25),
+        _episode(1, 789, 0, False, "a", 0.0), _episode(2, 789, 0, False, "b", 0.0),
+    ]  # fmt: skip
+    summary = evaluate.summarise_model(episodes, "kind", [123, 456, 789])
+    overall = summary["overall"]
+    assert (overall["episodes"], overall["successes"], overall["success_rate"]) == (6, 3, 0.5)
+    assert overall["ci95"] == pytest.approx(list(wilson_interval(3, 6)))
+    assert overall["per_seed"] == {"123": 0.5, "456": 1.0, "789": 0.0}
+    assert overall["seed_mean"] == pytest.approx(0.5) and overall["seed_sd"] == pytest.approx(0.5)  # sample sd
+    assert overall["score"] == pytest.approx(2.75 / 6)
+    a = summary["per_type"]["kind=a"]
+    assert (a["successes"], a["episodes"], a["per_seed"]) == (2, 3, {"123": 1.0, "456": 1.0, "789": 0.0})
+    assert summary["valid_action_rate"] == pytest.approx(0.75) and summary["env_failures"] == 0
+    table = evaluate.markdown_report({
+        "protocol": {"env": "tiny", "temperature": 0.4, "seeds": [123, 456, 789], "max_turns": 4, "history_length": 1,
+                     "episodes_per_task": 1},
+        "models": [{"label": "m", "model": "path", "splits": {"valid": summary}}], "paired": [],
+    })  # fmt: skip
+    assert "| all | 0.500 (3/6, 0.188–0.812) | 0.500 ± 0.500 | 0.458 |" in table
+    assert "| kind=a | 0.667 (2/3," in table
+
+
+def reference_paired(first, second):
+    """Slow and plain: for each task, the mean of won_1 − won_2 over the episodes both played."""
+    tasks = sorted({e["task_id"] for e in first})
+    diffs = []
+    for task in tasks:
+        values = []
+        for a in first:
+            for b in second:
+                if a["task_id"] == task and (a["task_id"], a["seed"], a["repeat"]) == (b["task_id"], b["seed"], b["repeat"]):
+                    values.append(int(a["won"]) - int(b["won"]))
+        if values:
+            diffs.append(sum(values) / len(values))
+    if not diffs:
+        return None, None
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, None
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    return mean, (mean - 1.96 * sd / math.sqrt(len(diffs)), mean + 1.96 * sd / math.sqrt(len(diffs)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 6), st.integers(1, 3), st.integers(1, 2), st.booleans())
+def test_paired_difference_matches_a_plain_reference(seed, tasks, seeds, repeats, drop_some):
+    rng = random.Random(seed)
+    keys = [(t, s, r) for t in range(tasks) for s in range(seeds) for r in range(repeats)]
+    first = [_episode(t, s, r, rng.random() < 0.5) for t, s, r in keys]
+    second = [_episode(t, s, r, rng.random() < 0.5) for t, s, r in keys if not (drop_some and rng.random() < 0.3)]
+    rng.shuffle(second)
+    result = evaluate.paired_difference(first, second)
+    mean, interval = reference_paired(first, second)
+    if mean is None:
+        assert result["difference"] is None and result["pairs"] == 0
+        return
+    assert result["difference"] == pytest.approx(mean)
+    assert result["pairs"] == len(second)
+    if interval is None:
+        assert result["ci95"] is None
+    else:
+        assert result["ci95"] == pytest.approx(list(interval), abs=1e-3)  # 1.96 vs the exact quantile
+
+
+def test_a_model_against_itself_differs_by_zero():
+    episodes = [_episode(t, s, 0, (t + s) % 3 == 0) for t in range(5) for s in (1, 2)]
+    assert evaluate.paired_difference(episodes, episodes) == {"pairs": 10, "tasks": 5, "difference": 0.0, "ci95": [0.0, 0.0]}
+
+
+def test_records_of_interleaved_ranks_match_their_units():
+    specs = [SimpleNamespace(task_id=t) for t in (4, 7, 4, 9, 7)]
+    chunk = [(spec, 0) for spec in specs]
+    # two ranks: rank 0 played units 0, 2, 4 (tasks 4, 4, 7), rank 1 units 1, 3 (tasks 7, 9)
+    records = [{"rank": 1, "episode": 3, "task_id": 7, "n": "r1a"}, {"rank": 1, "episode": 4, "task_id": 9, "n": "r1b"},
+               {"rank": 0, "episode": 0, "task_id": 4, "n": "r0a"}, {"rank": 0, "episode": 1, "task_id": 4, "n": "r0b"},
+               {"rank": 0, "episode": 2, "task_id": 7, "n": "r0c"}]  # fmt: skip
+    matched = evaluate.match_records(records, chunk)
+    assert [r["task_id"] for r in matched] == [4, 7, 4, 9, 7]
+    with pytest.raises(RuntimeError, match="no episode of task 9"):
+        evaluate.match_records(records[2:], chunk)
+
+
+def test_resume_reads_finished_chunks_and_ignores_a_cut_line(tmp_path):
+    path = tmp_path / "episodes.jsonl"
+    evaluate._append_line(path, {"split": "valid", "seed": 1, "chunk": 0, "episodes": [{"won": True}]})
+    evaluate._append_line(path, {"split": "valid", "seed": 2, "chunk": 0, "episodes": [{"won": False}]})
+    with open(path, "a") as f:
+        f.write('{"split": "valid", "seed": 3, "chunk": 0, "episo')  # killed mid-write
+    assert evaluate._read_done(path) == {("valid", 1, 0): [{"won": True}], ("valid", 2, 0): [{"won": False}]}
+
+
+def test_chunk_seeds_are_fixed_and_distinct():
+    seeds = {evaluate.chunk_seed(seed, chunk) for seed in (123, 456, 789) for chunk in range(50)}
+    assert len(seeds) == 150 and evaluate.chunk_seed(123, 0) == 123

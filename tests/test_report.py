@@ -1,0 +1,153 @@
+"""`bipace-report`: the page from a run's files, on a hand-made output directory (the browser test
+opens a real run's page: tests/test_report_browser.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bipace_trainer import report
+
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>\x00\x1b[31m\u2028end'
+
+
+def _turn(turn, action, ret, advantage, cluster, branch="pace", **extra):
+    return {"turn": turn, "observation": f"obs {turn} {HOSTILE}", "prompt_tail": "", "reply": f"<action>{action}</action>",
+            "action": action, "valid": True, "reward": 0.0, "return": ret, "advantage": advantage, "cluster": cluster,
+            "branch": branch, "done": False, **extra}  # fmt: skip
+
+
+def _episode(number, won, kind, turns, rank=0, **extra):
+    return {"step": 1, "split": "train", "episode": number, "group": 0, "rank": rank, "task_id": 3, "task": f"task {HOSTILE}",
+            "attributes": {"task_type": kind, "goal": number}, "won": won, "turns_taken": len(turns), "invalid_steps": 0,
+            "reward": float(won), "truncated": not won, "failed": False, "failure": None, "turns": turns, **extra}  # fmt: skip
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run's files: log history (checkpoint and final), evaluations, two dumps (cells shared across episodes)."""
+    log = [
+        {"step": 1, "episode/success_rate": 0.25, "episode/invalid_action_rate": 0.5, "loss": 0.3,
+         "estimator/singleton_rate": 0.4, "advantage/std": 1.0},
+        {"step": 2, "episode/success_rate": 0.75, "episode/invalid_action_rate": 0.0, "loss": 0.1,
+         "estimator/singleton_rate": 0.2, "advantage/std": 0.8, "episode/success_rate_all_played": 0.5},
+    ]  # fmt: skip
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / "trainer_state.json").write_text(json.dumps({"log_history": log[:1]}))
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"log_history": log}))
+    evals = [
+        {"tag": "before", "split": "valid", "step": 0, "num_tasks": 8, "success_rate": 0.375, "valid_action_rate": 1.0,
+         "per_type": {"task_type=a": 0.5, "task_type=b": 0.25}, "episode_length": 4.0, "env_failures": 0},
+        {"tag": "final", "split": "valid", "step": 2, "num_tasks": 8, "success_rate": 0.5, "valid_action_rate": 1.0,
+         "per_type": {"task_type=a": 0.75, "task_type=b": 0.25}, "episode_length": 3.5, "env_failures": 0},
+    ]  # fmt: skip
+    (tmp_path / "eval_results.json").write_text(json.dumps(evals))
+    rollouts = tmp_path / "rollouts"
+    rollouts.mkdir()
+    step1 = [  # cell 5 holds episode 0 turn 0, episode 1 turn 0 and episode 2 turn 1; cell 9 only episode 0 turn 1
+        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5), _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
+        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5)]),
+        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton"), _turn(1, "left", 0.0, -0.2, 5)]),
+    ]
+    step2 = [_episode(0, True, "b", [_turn(0, "left", 1.0, 0.5, 5)], rank=1)]  # same cell number, other batch
+    for name, episodes in (("step-000001.jsonl", step1), ("eval-final-step-000002.jsonl", step2)):
+        (rollouts / name).write_text("".join(json.dumps(e) + "\n" for e in episodes))
+    return tmp_path
+
+
+def test_escape_text_leaves_no_markup_and_shows_control_characters():
+    text = report.escape_text(HOSTILE + "\ud800")
+    assert "<" not in text and ">" not in text and '"' not in text
+    assert "\\x00" in text and "\\x1b" in text and "\\x2028" in text and "\x00" not in text and "\x1b" not in text
+    text.encode("utf-8")  # a lone surrogate does not break writing the page
+    assert report.escape_text(None) == "" and report.escape_text(0.5) == "0.5"
+
+
+def test_the_page_holds_every_episode_escaped_with_cells_and_offline(run_dir):
+    page = report.build_report(run_dir, report_key="task_type")
+    assert HOSTILE not in page and "<img src=x" not in page and "window.__pwned=2</script>" not in page
+    assert page.count('<details class="episode"') == 4
+    # no resource is fetched: no <script src>, <link>, <img> or CSS url() anywhere in the page
+    assert not re.search(r"<script[^>]*\ssrc=|<link\b|<img\b|url\(https?:", page)
+    assert "Plotly.newPlot" in page and page.count("<script") >= 3  # plotly inlined, then the figures and our code
+    # the same cell key on the three steps of cell 5 of the training dump; the evaluation dump's cell 5 is another
+    cells = re.findall(r'data-cell="([^"]*)"', page)
+    assert cells.count("0:0:5") == 3 and cells.count("1:1:5") == 1 and cells.count("0:0:9") == 1
+    # advantage as colour: green for +0.8, red for −0.6, none for 0
+    rows = dict(re.findall(r'id="(e0-0-\d-t\d)"[^>]*style="([^"]*)"', page))
+    assert rows["e0-0-0-t0"].startswith("background-color: rgba(46,160,67") and rows["e0-0-1-t0"].startswith(
+        "background-color: rgba(215,58,73")
+    assert rows["e0-0-2-t0"] == ""
+    assert "gae_delta 0.250" in page and "branch pace" in page  # other per-turn fields are shown, not dropped
+    # filters list what the episodes hold
+    assert '<option value="task_type=a">task_type=a (2)</option>' in page
+    assert '<option value="won">won (2)</option>' in page and '<option value="truncated">truncated (2)</option>' in page
+
+
+def test_the_page_reads_the_newest_checkpoint_and_draws_the_curves(run_dir):
+    assert len(report.load_log_history(run_dir)) == 2  # checkpoint-2's, not checkpoint-1's
+    figures = report.curve_figures(report.load_log_history(run_dir), report.load_eval_history(run_dir))
+    assert list(figures) == ["Success and valid actions", "Loss", "Estimator diagnostics"]
+    traces = {trace.name: trace for trace in figures["Success and valid actions"].data}
+    assert list(traces["training-batch success"].y) == [0.25, 0.75]
+    assert list(traces["valid-action rate"].y) == [0.5, 1.0]
+    assert list(traces["success of every rollout played"].y) == [0.5]
+    final = traces["held-out success (final, 95% CI)"]
+    assert list(final.y) == [0.5] and final.error_y.array[0] == pytest.approx(0.7847874731755582 - 0.5)
+    assert {a.text for a in figures["Estimator diagnostics"].layout.annotations} == {"advantage/std", "estimator/singleton_rate"}
+    (run_dir / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "episode/success_rate": 1.0}]}))
+    assert len(report.load_log_history(run_dir)) == 1  # the run's own final state wins over its checkpoints
+
+
+def test_max_episodes_caps_each_dump_and_says_so(run_dir):
+    page = report.build_report(run_dir, max_episodes=2)
+    assert page.count('<details class="episode"') == 3
+    assert "step-000001.jsonl: the first 2 of 3 episodes" in page
+
+
+def test_type_key_prefers_the_env_report_key_then_known_keys():
+    episodes = [{"attributes": {"goal": i, "depth": 2 + i % 2, "scene": i % 3}} for i in range(6)]
+    assert report.type_key(episodes) == "depth"
+    assert report.type_key(episodes, "scene") == "scene"
+    assert report.type_key([{"attributes": {"room": i % 2, "item": i}} for i in range(6)]) == "room"
+    assert report.type_key([]) is None
+
+
+def test_cli_writes_the_page_and_names_a_bad_directory(run_dir, tmp_path, capsys):
+    assert report.main([str(run_dir), "--env", "tiny"]) == 0
+    assert (run_dir / report.REPORT_FILE).is_file() and str(run_dir / report.REPORT_FILE) in capsys.readouterr().out
+    assert report.main([str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_an_empty_run_still_gets_a_page(tmp_path):
+    page = report.build_report(tmp_path)
+    assert "No RL step was logged" in page and "No rollout dumps" in page and "--rollout_dump_steps" in page
+
+
+def test_train_py_ends_with_the_report_and_a_failing_page_only_warns(run_dir, capsys):
+    from types import SimpleNamespace
+
+    import train
+
+    saved = []
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(is_main_process=True), args=SimpleNamespace(output_dir=str(run_dir)),
+        state=SimpleNamespace(log_history=report.load_log_history(run_dir)), eval_history=report.load_eval_history(run_dir),
+        env_class=SimpleNamespace(report_key="task_type"), save_state=lambda: saved.append(True),
+    )  # fmt: skip
+    path = train.write_run_report(trainer, "a title")
+    assert path == str(run_dir / report.REPORT_FILE) and saved == [True]
+    assert "<title>a title</title>" in (run_dir / report.REPORT_FILE).read_text()
+
+    def broken():
+        raise OSError("disk full")
+
+    trainer.save_state = broken
+    assert train.write_run_report(trainer, "t") is None
+    assert "the report could not be written (OSError: disk full)" in capsys.readouterr().out
+    trainer.accelerator.is_main_process = False
+    assert train.write_run_report(trainer, "t") is None  # other ranks write nothing
