@@ -8,7 +8,7 @@ Each episode starts with a one-line summary (episode id, task, won or not, turns
 invalid replies, env reward), then every turn: the observation the env showed, the
 reply, the parsed action (marked when invalid), the reward, the return R_t, and the
 advantage, green when positive and red when negative, with the cell (cluster id) and
-PACE branch that produced it. Files come from `--rollout_dump_steps`
+PACE branch that produced it, and under HGPO each context level's advantage (`*`: used). Files come from `--rollout_dump_steps`
 (`bipace_trainer.trajectories`).
 """
 
@@ -112,7 +112,19 @@ def render_episode(episode: dict[str, Any], color: bool = False) -> str:
         if turn.get("branch") is not None:
             numbers.append(f"branch {turn['branch']}")
         out.append(" " * 13 + "  ".join(numbers))
+        if turn.get("levels"):
+            out.append(" " * 13 + _levels_line(turn["levels"], style))
     return "\n".join(out)
+
+
+def _levels_line(levels: list[dict[str, Any]], style: _Style) -> str:
+    """`levels  k0 +0.412* (n 8)  k1 +0.250* (n 3)  k2 0.000 (n 1)`: * marks the levels
+    HGPO's weighted mean used (n: the level's cell size)."""
+    parts = [
+        f"k{level.get('k')} {style.signed(level.get('advantage'))}{'*' if level.get('used') else ''} (n {level.get('size')})"
+        for level in levels
+    ]
+    return "levels  " + "  ".join(parts)
 
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
