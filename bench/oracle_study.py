@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft   # full size, one env per process
     OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld    # (~45 min together on a loaded 2-core machine)
     OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci         # CI size (~40 s of CPU, tiny random model)
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --size hierarchy --env textcraft   # HGPO rows, no hidden states
     python -m bench.oracle_study --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
@@ -132,6 +133,16 @@ SIZES = {
                 hidden=((0, 0.7), (1, 0.7)),
                 control=((0, 0.7), (1, 0.7)),
                 env_kwargs={"source": "auto"},  # official games when $ALFWORLD_DATA has them
+            ),
+        }
+    ),
+    # HGPO's rows (context consistency, accuracy with and without the hierarchy) without the
+    # hidden-state forward passes that dominate "full": hash and true-state partitions only
+    "hierarchy": Size(
+        envs={
+            "textcraft": EnvSize(tasks=2, max_turns=30, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1, 2)),
+            "alfworld": EnvSize(
+                tasks=2, max_turns=50, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1), env_kwargs={"source": "auto"}
             ),
         }
     ),
