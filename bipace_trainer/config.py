@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,6 +305,14 @@ class BiPACEConfig(GRPOConfig):
         self._check_rollout_fields()
         self._check_env()
         self.estimator = self._resolve_estimator()
+        if self.estimator.has_step_term and self.estimator.context_levels > self.history_length:
+            # HGPO's levels exist to compare steps whose prompts agree; past the history the prompt
+            # shows they split steps whose prompts are the same
+            warnings.warn(
+                f"context_levels={self.estimator.context_levels} exceeds history_length={self.history_length}: "
+                "levels beyond the prompt's history split steps with identical prompts; HGPO sets them equal.",
+                stacklevel=2,
+            )
         if self.importance_sampling_level is None:
             self.importance_sampling_level = self.estimator.importance_sampling_level
         if self.generation_batch_size is None and self.steps_per_generation is None:

@@ -229,3 +229,16 @@ def test_presets_are_the_spec_table():
     assert (hgpo.level_weights, hgpo.drop_zero_levels, hgpo.base_group, hgpo.level_alpha) == ("k+2", True, False, 1.0)
     assert resolve_settings("bihgpo").partition == "hidden" and resolve_settings("bihgpo").rollout_needs == {"hidden"}
     assert resolve_settings("bihpace_q").level_baseline == "pace_q"
+
+
+def test_config_maps_the_hierarchy_fields_and_warns_past_the_history():
+    from bipace_trainer import BiPACEConfig
+
+    common = dict(output_dir="/tmp/unused", env_name="tiny", use_cpu=True, report_to=[])
+    config = BiPACEConfig(preset="hgpo", level_weights="k+1", drop_zero_levels=False, base_group=True, **common)
+    est = config.estimator
+    assert (est.level_weights, est.drop_zero_levels, est.base_group, est.context_levels) == ("k+1", False, True, 2)
+    with pytest.warns(UserWarning, match="context_levels=3 exceeds history_length=2"):
+        BiPACEConfig(preset="hgpo", context_levels=3, **common)
+    with pytest.raises(ValueError, match="level_weights"):
+        BiPACEConfig(preset="hgpo", level_weights="k+3", **common)
