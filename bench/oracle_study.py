@@ -142,7 +142,7 @@ SIZES = {
         envs={
             "textcraft": EnvSize(tasks=4, max_turns=30, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1, 2, 3, 4)),
             "alfworld": EnvSize(
-                tasks=2, max_turns=50, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1), env_kwargs={"source": "auto"}
+                tasks=2, max_turns=50, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1, 2, 3), env_kwargs={"source": "auto"}
             ),
         }
     ),
