@@ -239,12 +239,16 @@ class BiPACEConfig(GRPOConfig):
 
     context_levels: int | None = field(
         default=None,
-        metadata={"help": f"HGPO's K: context levels over the partition (0: none); None: the preset's (2 for HGPO presets). {_HGPO}"},
+        metadata={
+            "help": f"HGPO's K: context levels over the partition (0: none); None: the preset's (2 for HGPO presets). {_HGPO}"
+        },
     )
     level_baseline: str | None = field(
         default=None, metadata={"help": "Per-level advantage of the hierarchy baseline: mean (HGPO) | pace_q | pace_diff."}
     )
-    level_alpha: float | None = field(default=None, metadata={"help": f"α of the level weights; None: the preset's (1, HGPO). {_HGPO}"})
+    level_alpha: float | None = field(
+        default=None, metadata={"help": f"α of the level weights; None: the preset's (1, HGPO). {_HGPO}"}
+    )
     level_weights: str | None = field(
         default=None, metadata={"help": "k+2: w_k = (k+2)^α, verl-agent's code (default) | k+1: the paper's (k+1)^α."}
     )

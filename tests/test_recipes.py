@@ -110,7 +110,8 @@ def test_recipe_holds_the_papers_setting(recipe):
         assert value(parsed, "context_levels") == value(parsed, "history_length") == 2
         assert (value(parsed, "level_alpha"), value(parsed, "base_group")) == (1.0, False)
         estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
-        assert (estimator.partition, estimator.baseline, estimator.w_ep, estimator.context_levels) == ("hash", "hierarchy", 0.0, 2)
+        resolved = (estimator.partition, estimator.baseline, estimator.w_ep, estimator.context_levels)
+        assert resolved == ("hash", "hierarchy", 0.0, 2)
     assert value(parsed, "generation_batch_size") == 16 * 8
     # the settings that used to leak from the CPU demo are written out: no LoRA, checkpoints, a tracker
     for key in ("use_peft", "save_strategy", "save_steps", "report_to", "lr_scheduler_type"):

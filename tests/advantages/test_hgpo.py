@@ -33,7 +33,8 @@ def contexts(steps, levels):
     out = []
     for s in steps:
         history = by_traj[s["traj"]]
-        out.append({k: (s["group"], tuple(history[s["t"] - j] for j in range(k, -1, -1))) for k in range(min(levels, s["t"]) + 1)})
+        window = range(min(levels, s["t"]) + 1)
+        out.append({k: (s["group"], tuple(history[s["t"] - j] for j in range(k, -1, -1))) for k in window})
     return out
 
 
