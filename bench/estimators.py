@@ -8,7 +8,9 @@ Batches are synthetic but shaped like real rollouts: `groups` task groups × 8 r
 anchor), hidden states of width 3,584 (Qwen2.5-7B) = the state's direction + noise, so
 hash and hidden partitions both find non-trivial cells (ε = 0.1). The reference is the
 transcription of verl-agent's GiGPO in tests/advantages/gigpo_reference.py (quadratic
-return computation), timed on the same batch. Prints a table and writes JSON.
+return computation), timed on the same batch; the HGPO presets are timed against
+verl-agent's HGPO (tests/advantages/hgpo_reference.py, K = 2, the same batch). Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from bipace_trainer.advantages import (
     resolve_settings,
 )
 from tests.advantages.gigpo_reference import gigpo_advantages
+from tests.advantages.hgpo_reference import hgpo_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 
 ROLLOUTS, LENGTH, STATES = 8, 50, 30
+SCALED = ("gigpo", "bipace_q", "gagpo", "hgpo")  # presets whose time is measured over batch sizes
 
 
 def make_batch(groups: int, dim: int, *, length: int = LENGTH, noise: float = 0.3, seed: int = 0) -> StepBatch:
@@ -69,12 +73,21 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def reference_seconds(batch: StepBatch) -> float:
+REFERENCES = {"gigpo": gigpo_advantages, "hgpo": lambda *args: hgpo_advantages(*args, history_length=2)}
+
+
+def reference_seconds(batch: StepBatch, reference: str = "gigpo") -> float:
+    """One call of the transcribed reference on `batch` (rows already in trajectory order)."""
     anchors = batch.anchor.tolist()
     args = (batch.group.numpy(), batch.traj.numpy(), batch.reward.tolist(), batch.valid.tolist(), anchors)
     start = time.perf_counter()
-    gigpo_advantages(*args)
+    REFERENCES[reference](*args)
     return time.perf_counter() - start
+
+
+def reference_of(preset: str) -> str:
+    """The reference a preset is timed against: verl-agent's HGPO for the hierarchy presets."""
+    return "hgpo" if resolve_settings(preset).baseline == "hierarchy" else "gigpo"
 
 
 def preset_table(groups_list, dim, repeats, with_reference):
@@ -82,16 +95,18 @@ def preset_table(groups_list, dim, repeats, with_reference):
     for groups in groups_list:
         batch = make_batch(groups, dim)
         n = len(batch)
-        ref = reference_seconds(batch) if with_reference else None
+        refs = {name: reference_seconds(batch, name) for name in REFERENCES} if with_reference else {}
         for name in PRESETS:
             settings = resolve_settings(name, cluster_eps=0.1)
             seconds = timed(lambda: compute_advantages(batch, settings), repeats)
+            ref = refs.get(reference_of(name))
             rows.append(
                 dict(
                     preset=name,
                     steps=n,
                     seconds=seconds,
                     steps_per_s=n / seconds,
+                    reference=reference_of(name),
                     reference_seconds=ref,
                     speedup_vs_reference=(ref / seconds) if ref else None,
                 )
@@ -101,7 +116,7 @@ def preset_table(groups_list, dim, repeats, with_reference):
 
 def scaling(sizes, dim, repeats):
     rows = []
-    for name in ("gigpo", "bipace_q", "gagpo"):
+    for name in SCALED:
         settings = resolve_settings(name, cluster_eps=0.1)
         for steps in sizes:
             groups = max(1, steps // (ROLLOUTS * LENGTH))
@@ -132,14 +147,18 @@ def main():
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, hidden width {dim}")
 
     presets = preset_table(groups_list, dim, repeats, with_reference=True)
-    print(f"\n{'preset':<12}{'steps':>8}{'ms/call':>10}{'steps/s':>12}{'ref GiGPO ms':>14}{'speed-up':>10}")
+    print(f"\n{'preset':<12}{'steps':>8}{'ms/call':>10}{'steps/s':>12}{'reference':>10}{'ref ms':>10}{'speed-up':>10}")
     for r in presets:
-        ref = f"{r['reference_seconds'] * 1e3:14.0f}{r['speedup_vs_reference']:9.0f}x" if r["reference_seconds"] else ""
+        ref = (
+            f"{r['reference']:>10}{r['reference_seconds'] * 1e3:10.0f}{r['speedup_vs_reference']:9.0f}x"
+            if r["reference_seconds"]
+            else ""
+        )
         print(f"{r['preset']:<12}{r['steps']:>8}{r['seconds'] * 1e3:10.1f}{r['steps_per_s']:12,.0f}{ref}")
 
     growth = scaling(sizes, dim, repeats)
     print(f"\n{'preset':<12}{'steps':>8}{'ms/call':>10}{'steps/s':>12}{'time ratio / size ratio':>26}")
-    for name in ("gigpo", "bipace_q", "gagpo"):
+    for name in SCALED:
         mine = [r for r in growth if r["preset"] == name]
         for prev, r in zip([None] + mine[:-1], mine):
             ratio = "" if prev is None else f"{(r['seconds'] / prev['seconds']) / (r['steps'] / prev['steps']):26.2f}"

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft   # full size, one env per process
     OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld    # (~45 min together on a loaded 2-core machine)
     OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci         # CI size (~40 s of CPU, tiny random model)
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --size hierarchy --env textcraft   # HGPO rows, no hidden states
     python -m bench.oracle_study --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
@@ -21,7 +22,13 @@
    on pairs of steps from the same true state whose A* differ; RMSE of the value proxy
    V̂ = mean_C R (the cell mean of step returns every baseline compares with) against V*.
    Mean and std over rollout seeds.
-4. Grouping quality of the `hash` partition and of the `hidden` partition of the embedded
+   HGPO's hierarchy (`context_levels` K = 2, SPEC §4 "HGPO") over each partition,
+   with its own level advantage (`{partition}/hierarchy`) and with PACE-Q's
+   (`{partition}/hierarchy_pace_q`), beside the same partitions without it.
+4. Context consistency (`context`): how often two steps of one exact-anchor cell differ in
+   their K = 2 context (the last three anchors), and the grouping quality of the
+   context cells against the true state, beside the anchor cells'.
+5. Grouping quality of the `hash` partition and of the `hidden` partition of the embedded
    SmolLM2-135M (layers -24, -18, -12, -8 of 30; the calibrated ε of `calibrate_eps` with
    the trainer's defaults, and an ε sweep), with a random-init model of the same shape as a
    control: singleton rate, purity (same-cell pairs that share the true state) and split
@@ -67,8 +74,10 @@ from bipace_trainer.advantages import (
     BatchLayout,
     StepBatch,
     calibrate_eps,
+    context_partition,
     estimate_advantages,
     factorize,
+    hash_partition,
     hidden_partition,
     resolve_settings,
 )
@@ -80,6 +89,8 @@ GAMMA = 0.95  # SPEC §2 and every recipe's step_gamma
 PAPER_SINGLETONS = {"hash": 0.273, "hidden": 0.180}  # BiPACE paper, ALFWorld, Qwen2.5-7B
 BASELINES = ("mean", "pace_q", "pace_diff", "gae")
 PARTITIONS = ("hash", "hidden", "true")
+CONTEXT_LEVELS = 2  # HGPO's K in its public scripts (= the prompts' history window)
+HIERARCHY_LEVEL_BASELINES = {"hierarchy": "mean", "hierarchy_pace_q": "pace_q"}
 EPS_SWEEP = (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 
 
@@ -122,6 +133,16 @@ SIZES = {
                 hidden=((0, 0.7), (1, 0.7)),
                 control=((0, 0.7), (1, 0.7)),
                 env_kwargs={"source": "auto"},  # official games when $ALFWORLD_DATA has them
+            ),
+        }
+    ),
+    # HGPO's rows (context consistency, accuracy with and without the hierarchy) without the
+    # hidden-state forward passes that dominate "full": hash and true-state partitions only
+    "hierarchy": Size(
+        envs={
+            "textcraft": EnvSize(tasks=4, max_turns=30, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1, 2, 3, 4)),
+            "alfworld": EnvSize(
+                tasks=2, max_turns=50, expert_probs=(0.5, 0.7, 0.9), seeds=(0, 1, 2, 3), env_kwargs={"source": "auto"}
             ),
         }
     ),
@@ -338,6 +359,18 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
                 }
                 out["grouping"][partition] = grouping_quality(estimate.cell.numpy(), state_ids, group)
     out["grouping"]["true"]["singleton_rate_of_truth"] = out["grouping"]["true"]["singleton_rate"]
+    for partition in PARTITIONS:  # the same partitions under HGPO's hierarchy (w_ep = 0, as HGPO)
+        if partition == "hidden" and pretrained is None:
+            continue
+        source = true_anchor if partition == "true" else plain
+        for name, level_baseline in HIERARCHY_LEVEL_BASELINES.items():
+            settings = resolve_settings(
+                "hgpo", partition="hidden" if partition == "hidden" else "hash", level_baseline=level_baseline,
+                context_levels=CONTEXT_LEVELS,
+            )  # fmt: skip
+            estimate = estimate_advantages(source, settings)
+            out["axes"][f"{partition}/{name}"] = estimator_metrics(estimate, a_star, state_ids, group)
+    out["context"] = context_consistency(plain, layout, state_ids, group)
 
     for model, states in hidden.items():
         for layer in size.layers:
@@ -348,6 +381,36 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
             entry["separation"] = distance_separation(h.numpy(), state_ids, group)
             out["grouping"][f"hidden/{model}/{layer}"] = entry
     return out
+
+
+def context_consistency(batch: StepBatch, layout: BatchLayout, state_ids, group, levels: int = CONTEXT_LEVELS) -> dict:
+    """How often steps of one exact-anchor cell differ in their K-step context (HGPO's
+    "context inconsistency"), and whether the context cells are purer than the anchor cells.
+
+    Pairs are counted within exact-anchor cells: `pairs_differ` is the fraction of same-anchor
+    pairs whose context (the anchors of the last K+1 steps, or of the whole history when
+    t < K) differs; `steps_differ` the fraction of steps in a shared anchor cell with at
+    least one cellmate of another context. `anchor` and `context` are `grouping_quality`
+    of the two cellings against the true state.
+    """
+    anchor = hash_partition(batch.anchor, layout)
+    context = context_partition(anchor, layout, levels)
+    anchor_cell, context_cell = anchor.cell.numpy(), context.cell.numpy()
+    anchor_size = np.bincount(anchor_cell)[anchor_cell]
+    context_size = np.bincount(context_cell)[context_cell]
+    total_pairs = float(np.sum(anchor.size.numpy() * (anchor.size.numpy() - 1)) / 2)
+    same_pairs = float(np.sum(context.size.numpy() * (context.size.numpy() - 1)) / 2)
+    shared = anchor_size > 1
+    return {
+        "levels": levels,
+        "steps": int(len(anchor_cell)),
+        "steps_in_shared_anchor_cells": int(shared.sum()),
+        "anchor_pairs": total_pairs,
+        "pairs_differ": 1.0 - same_pairs / total_pairs if total_pairs else math.nan,
+        "steps_differ": float(np.mean(context_size[shared] < anchor_size[shared])) if shared.any() else math.nan,
+        "anchor": grouping_quality(anchor_cell, state_ids, group),
+        "context": grouping_quality(context_cell, state_ids, group),
+    }
 
 
 def _quality(h, layout, eps, state_ids, group) -> dict[str, float]:
@@ -491,6 +554,17 @@ def summarise(batches: list[dict[str, Any]]) -> dict[str, Any]:
             }
             for partition in PARTITIONS
         }
+        with_context = [b for b in group if "context" in b]
+        if with_context:
+            entry["context"] = {
+                "pairs_differ": _stat([b["context"]["pairs_differ"] for b in with_context]),
+                "steps_differ": _stat([b["context"]["steps_differ"] for b in with_context]),
+                **{
+                    f"{cells}_{metric}": _stat([b["context"][cells][metric] for b in with_context])
+                    for cells in ("anchor", "context")
+                    for metric in ("purity", "split_rate", "singleton_rate")
+                },
+            }
         summary[f"{env}/p={p}"] = entry
     return summary
 
@@ -534,6 +608,7 @@ def tables(result: dict[str, Any]) -> str:
                 row = [b["estimators"].get(n) or b["axes"][n] for n in names]
                 text = " | ".join(f"{m['spearman']:.2f} / {m['sign_agreement']:.2f}" for m in row)
                 lines.append(f"| seed {b['seed']}, p {b['expert_prob']} | {text} |")
+        lines += context_table(env, cells)
         lines.append(f"\n**{env}: value proxy mean_C R vs V\\*** (RMSE over all steps / over steps in shared cells)\n")
         lines.append("| partition | " + " | ".join(f"p = {p}" for p in probs) + " |")
         lines.append("|---|" + "---|" * len(probs))
@@ -585,6 +660,35 @@ def tables(result: dict[str, Any]) -> str:
         f"\nPaper (BiPACE, ALFWorld, Qwen2.5-7B): singleton rate hash {paper['hash']:.3f}, hidden {paper['hidden']:.3f}."
     )
     return "\n".join(lines)
+
+
+def context_table(env: str, cells: dict[str, Any]) -> list[str]:
+    """HGPO's context inconsistency at K = 2 and what the hierarchy does to accuracy, per p."""
+    cells = {k: v for k, v in cells.items() if "context" in v}
+    if not cells:
+        return []
+    lines = [
+        f"\n**{env}: context inconsistency at K = {CONTEXT_LEVELS}** (exact-anchor cells; mean ± std over seeds)\n",
+        "| p | same-anchor pairs that differ in context | steps with a cellmate of another context "
+        "| purity anchor → context | split rate anchor → context | singleton rate anchor → context "
+        "| Spearman hash/mean → hash/hierarchy | true/mean → true/hierarchy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, c in cells.items():
+        x = c["context"]
+        axes = c["axes"]
+
+        def arrow(a, b):
+            return f"{_fmt(axes[a]['spearman'])} → {_fmt(axes[b]['spearman'])}" if a in axes and b in axes else "–"
+
+        lines.append(
+            f"| {key.split('=')[1]} | {_fmt(x['pairs_differ'], 3)} | {_fmt(x['steps_differ'], 3)} "
+            f"| {_fmt(x['anchor_purity'], 3)} → {_fmt(x['context_purity'], 3)} "
+            f"| {_fmt(x['anchor_split_rate'], 3)} → {_fmt(x['context_split_rate'], 3)} "
+            f"| {_fmt(x['anchor_singleton_rate'], 3)} → {_fmt(x['context_singleton_rate'], 3)} "
+            f"| {arrow('hash/mean', 'hash/hierarchy')} | {arrow('true/mean', 'true/hierarchy')} |"
+        )
+    return lines
 
 
 def plots(result: dict[str, Any], out: Path, suffix: str = "") -> None:

@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ def printing_only():
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
+_HGPO = "https://arxiv.org/abs/2602.22817"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
@@ -64,6 +66,12 @@ ESTIMATOR_FIELDS = {
     "recalibrate_eps_every": "recalibrate_every",
     "importance_sampling_level": "importance_sampling_level",
     "bootstrap_truncated": "bootstrap_truncated",
+    "context_levels": "context_levels",
+    "level_baseline": "level_baseline",
+    "level_alpha": "level_alpha",
+    "level_weights": "level_weights",
+    "drop_zero_levels": "drop_zero_levels",
+    "base_group": "base_group",
 }
 
 _CONFIG_FIELD = {theirs: ours for ours, theirs in ESTIMATOR_FIELDS.items()}
@@ -74,7 +82,8 @@ FIELD_GROUPS = {
         "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
         "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
         "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
-        "importance_sampling_level", "bootstrap_truncated",
+        "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
+        "level_weights", "drop_zero_levels", "base_group",
     ),
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
@@ -89,7 +98,7 @@ FIELD_GROUPS = {
 # Float settings that NaN or infinity would turn into a crash at step 1, blamed on the env.
 _FINITE_FIELDS = (
     "w_ep", "w_step", "step_gamma", "gae_lambda", "invalid_action_penalty", "target_singleton_rate",
-    "max_cluster_eps", "eval_temperature", "env_step_timeout", "resample_max_seconds",
+    "max_cluster_eps", "eval_temperature", "env_step_timeout", "resample_max_seconds", "level_alpha",
 )
 
 
@@ -108,13 +117,13 @@ class BiPACEConfig(GRPOConfig):
     > Parameters that control the step-level advantage estimator (SPEC §2–§4)
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
-        `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo` (or one added with
+        `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q` (or one added with
         `bipace_trainer.advantages.register_preset`). Every estimator field below left at
         `None` takes the preset's value (`ESTIMATOR_FIELDS` maps each to its
         `EstimatorSettings` name; the defaults in brackets are every built-in preset's).
     step_partition (`str` or `None`): state partition, `none`, `hash` or `hidden`, or one added
         with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
-    step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff` or `gae`.
+    step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff`, `gae` or `hierarchy`.
     advantage_norm (`str` or `None`): `mean_std` or `mean`, for the episode term and the
         `mean` baseline. pace_norm (`str` or `None`): the same for the PACE baselines.
     w_ep, w_step (`float` or `None`): weights of the episode and step terms.
@@ -129,6 +138,14 @@ class BiPACEConfig(GRPOConfig):
     bootstrap_truncated (`bool` or `None` [False]): a trajectory the turn budget cut (`max_turns`)
         bootstraps its last step from the value proxy instead of ending with return 0
         (GiGPO's choice, the default); see `bipace_trainer.advantages.returns`.
+    context_levels (`int` or `None` [0; HGPO presets 2]): HGPO's K, nested context levels over the
+        partition: level k groups steps whose last k+1 cells agree (0: none). Set it to
+        `history_length`, the history the prompt shows (the public HGPO scripts: both 2).
+    level_baseline, level_alpha, level_weights, drop_zero_levels, base_group (`None` [`mean`, 1,
+        `k+2`, True, False]): the `hierarchy` baseline's per-level advantage, its level
+        weights w_k = (k+2)^α (`k+1`: the paper's formula), whether a level with advantage
+        exactly 0 leaves the weighted mean (the code: yes), and whether the episode
+        advantage joins it with weight 1 (see `bipace_trainer.advantages.baselines`).
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
@@ -184,7 +201,7 @@ class BiPACEConfig(GRPOConfig):
     )
     step_partition: str | None = field(default=None, metadata={"help": "State partition: none | hash | hidden."})
     step_baseline: str | None = field(
-        default=None, metadata={"help": "Step baseline: mean | pace_q | pace_diff | gae."}
+        default=None, metadata={"help": "Step baseline: mean | pace_q | pace_diff | gae | hierarchy."}
     )
     advantage_norm: str | None = field(
         default=None, metadata={"help": f"mean_std | mean for the episode term and the mean baseline ({_GIGPO})."}
@@ -240,6 +257,29 @@ class BiPACEConfig(GRPOConfig):
         },
     )
 
+    context_levels: int | None = field(
+        default=None,
+        metadata={
+            "help": f"HGPO's K: context levels over the partition (0: none); None: the preset's (2 for HGPO presets). {_HGPO}"
+        },
+    )
+    level_baseline: str | None = field(
+        default=None, metadata={"help": "Per-level advantage of the hierarchy baseline: mean (HGPO) | pace_q | pace_diff."}
+    )
+    level_alpha: float | None = field(
+        default=None, metadata={"help": f"α of the level weights; None: the preset's (1, HGPO). {_HGPO}"}
+    )
+    level_weights: str | None = field(
+        default=None, metadata={"help": "k+2: w_k = (k+2)^α, verl-agent's code (default) | k+1: the paper's (k+1)^α."}
+    )
+    drop_zero_levels: bool | None = field(
+        default=None,
+        metadata={"help": "A level whose advantage is exactly 0 leaves the weighted mean (the code: true; the paper: false)."},
+    )
+    base_group: bool | None = field(
+        default=None, metadata={"help": "Add the episode advantage to the hierarchy's weighted mean with weight 1 (HGPO code)."}
+    )
+
     # Rollout
     env_name: str = field(
         default="textcraft",
@@ -293,6 +333,14 @@ class BiPACEConfig(GRPOConfig):
         self._check_rollout_fields()
         self._check_env()
         self.estimator = self._resolve_estimator()
+        if self.estimator.has_step_term and self.estimator.context_levels > self.history_length:
+            # HGPO's levels exist to compare steps whose prompts agree; past the history the prompt
+            # shows they split steps whose prompts are the same
+            warnings.warn(
+                f"context_levels={self.estimator.context_levels} exceeds history_length={self.history_length}: "
+                "levels beyond the prompt's history split steps with identical prompts; HGPO sets them equal.",
+                stacklevel=2,
+            )
         if self.importance_sampling_level is None:
             self.importance_sampling_level = self.estimator.importance_sampling_level
         if self.generation_batch_size is None and self.steps_per_generation is None:

@@ -8,8 +8,8 @@ Each episode starts with a one-line summary (episode id, task, won or not, turns
 invalid replies, env reward), then every turn: the observation the env showed, the
 reply, the parsed action (marked when invalid), the reward, the return R_t, and the
 advantage, green when positive and red when negative, with the cell (cluster id) and
-PACE branch that produced it. Files come from `--rollout_dump_steps`
-(`bipace_trainer.trajectories`).
+PACE branch that produced it, and under HGPO each context level's advantage (`*`: used).
+Files come from `--rollout_dump_steps` (`bipace_trainer.trajectories`).
 
 The file is read line by line (a dump of any size takes one episode's memory). A line
 that is not an episode record (not a JSON object, or a field of the wrong type) is
@@ -162,6 +162,8 @@ def render_episode(episode: dict[str, Any], color: bool = False) -> str:
         if turn.get("branch") is not None:
             numbers.append(f"branch {printable(turn['branch'])}")
         out.append(" " * 13 + "  ".join(numbers))
+        if isinstance(turn.get("levels"), list):
+            out.append(" " * 13 + _levels_line(turn["levels"], style))
     return "\n".join(out)
 
 
@@ -187,6 +189,18 @@ def _show(args, stream: TextIO, color: bool, skipped: list[tuple[int, str]]) -> 
     if args.episode is None and shown > 1:
         print(f"{shown} episodes, {won} won ({won / shown:.0%})", file=stream)
     return 0
+
+
+def _levels_line(levels: list[dict[str, Any]], style: _Style) -> str:
+    """`levels  k0 +0.412* (n 8)  k1 +0.250* (n 3)  k2 0.000 (n 1)`: * marks the levels
+    HGPO's weighted mean used (n: the level's cell size)."""
+    parts = [
+        f"k{printable(level.get('k'))} {style.signed(level['advantage'] if _is_number(level.get('advantage')) else None)}"
+        f"{'*' if level.get('used') else ''}"
+        f" (n {printable(level.get('size'))})"
+        for level in levels if isinstance(level, dict)
+    ]
+    return "levels  " + "  ".join(parts)
 
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:

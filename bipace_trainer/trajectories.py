@@ -7,8 +7,10 @@
 A step row holds the task, the turn, the observation the env showed, the tail of the
 prompt, the reply, the parsed action and whether it was valid, the env reward, the
 return-to-go R_t the estimator used, the advantage, the state-partition cell (cluster
-id) and the PACE branch (`pace`, `loo` or `singleton`). Evaluation rollouts are not
-trained on: their rows have R_t but no advantage, cell or branch.
+id) and the PACE branch (`pace`, `loo` or `singleton`); under the `hierarchy` baseline
+(HGPO) also `levels`, one entry per context level the step has: level k, its cell and
+the cell's size, the level's advantage a_k and whether it entered the weighted mean.
+Evaluation rollouts are not trained on: their rows have R_t but no advantage, cell or branch.
 
 An episode record (one JSONL line, `python -m bipace_trainer.show` renders it) holds
 the episode's outcome and its turns in order. Cells and task groups are numbered per
@@ -47,8 +49,24 @@ PROMPT_TAIL_TOKENS = 192  # the end of the prompt, what the reply answers (the o
 BRANCH_NAMES = {BRANCH_PACE: "pace", BRANCH_LOO: "loo", BRANCH_SINGLETON: "singleton"}
 TURN_FIELDS = (
     "turn", "observation", "prompt_tail", "reply", "action", "valid",
-    "reward", "return", "advantage", "cluster", "branch", "done",
+    "reward", "return", "advantage", "cluster", "branch", "levels", "done",
 )  # fmt: skip
+
+
+def _levels(levels) -> list[list[dict[str, Any]] | None]:
+    """Per step, its context levels (`baselines.LevelDetail`) as plain dicts, absent ones left out."""
+    rows = []
+    for cell, size, advantage, used in zip(
+        levels.cell.tolist(), levels.size.tolist(), levels.advantage.tolist(), levels.used.tolist()
+    ):
+        rows.append(
+            [
+                {"k": k, "cell": c, "size": n, "advantage": a, "used": u}
+                for k, (c, n, a, u) in enumerate(zip(cell, size, advantage, used))
+                if c >= 0
+            ]
+        )
+    return rows
 
 
 def _returns(rollout: Rollout, gamma: float, invalid_penalty: float) -> list[float]:
@@ -84,9 +102,10 @@ def step_rows(
         advantages = estimate.advantage.tolist()
         cells = estimate.cell.tolist() if estimate.cell is not None else [None] * len(steps)
         branches = [BRANCH_NAMES[b] for b in estimate.branch.tolist()] if estimate.branch is not None else [None] * len(steps)
+        levels = _levels(estimate.levels) if getattr(estimate, "levels", None) is not None else [None] * len(steps)
     else:
         returns = _returns(rollout, gamma, invalid_penalty)
-        advantages = cells = branches = [None] * len(steps)
+        advantages = cells = branches = levels = [None] * len(steps)
     rows = []
     for i, step in enumerate(steps):
         episode = episodes[step.traj]
@@ -108,6 +127,7 @@ def step_rows(
                 "advantage": advantages[i],
                 "cluster": cells[i],
                 "branch": branches[i],
+                "levels": levels[i],
                 "done": step.t == episode.length - 1 and not episode.truncated,  # this step ended its episode
             }
         )

@@ -25,6 +25,9 @@ PAPERS = dict(num_generations=8, tasks_per_iteration=16, learning_rate=1e-6, bet
               invalid_action_penalty=0.1, history_length=2, temperature=1.0, eval_temperature=0.4)
 CLUSTERING = {"7b": (-8, "0.10"), "1.5b": (-12, "0.05")}  # SPEC §4: layer and ε per model size
 MAX_TURNS = {"alfworld": 50, "webshop": 15, "textcraft": 30}
+# HGPO's public scripts (verl-agent recipe/hgpo/run_qwen2.5_*_train.sh, b4918cc; SPEC §4 "HGPO"): K = the
+# history window, α = 1, no base group, ALFWorld mean_std_norm, WebShop mean_norm with ≤ 30 steps
+HGPO = {"alfworld": dict(advantage_norm="mean_std", max_turns=50), "webshop": dict(advantage_norm="mean", max_turns=30)}
 EVAL_SPLIT = {"alfworld": "valid_unseen", "webshop": "test", "textcraft": "test_ood"}
 # Fields that decide what a run does; those a recipe does not set must be the documented defaults
 # (generation_batch_size is derived: tasks_per_iteration × num_generations, checked below).
@@ -100,7 +103,15 @@ def test_recipe_holds_the_papers_setting(recipe):
     for key, expected in PAPERS.items():
         assert value(parsed, key) == expected, key
     assert (value(parsed, "cluster_layer"), value(parsed, "cluster_eps")) == CLUSTERING[size]
-    assert value(parsed, "max_turns") == MAX_TURNS[env] and value(parsed, "eval_split") == EVAL_SPLIT[env]
+    turns = HGPO[env]["max_turns"] if preset == "hgpo" else MAX_TURNS[env]
+    assert value(parsed, "max_turns") == turns and value(parsed, "eval_split") == EVAL_SPLIT[env]
+    if preset == "hgpo":
+        assert value(parsed, "advantage_norm") == HGPO[env]["advantage_norm"]
+        assert value(parsed, "context_levels") == value(parsed, "history_length") == 2
+        assert (value(parsed, "level_alpha"), value(parsed, "base_group")) == (1.0, False)
+        estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
+        resolved = (estimator.partition, estimator.baseline, estimator.w_ep, estimator.context_levels)
+        assert resolved == ("hash", "hierarchy", 0.0, 2)
     assert value(parsed, "generation_batch_size") == 16 * 8
     # the settings that used to leak from the CPU demo are written out: no LoRA, checkpoints, a tracker
     for key in ("use_peft", "save_strategy", "save_steps", "report_to", "lr_scheduler_type"):

@@ -10,6 +10,9 @@ Map from SPEC to code:
                                hidden_partition, leader_cluster, calibrate_eps
     §4 axis 2, baseline        baselines.mean_baseline, pace_q_baseline, pace_diff_baseline,
                                gae_baseline
+    §4 HGPO                    partition.context_partition (LevelledPartition: levels k = 0..K
+                               over any partition), baselines.hierarchy_baseline (LevelDetail);
+                               per-level diagnostics: presets.level_diagnostics
     §4 combination, presets    presets.PRESETS, presets.resolve_settings,
                                presets.compute_advantages, presets.StepAdvantageEstimator
                                (the one owner of "auto" ε and its fallback: eps_in_use)
@@ -20,9 +23,11 @@ Map from SPEC to code:
 from .baselines import BASELINES
 from .partition import (
     PARTITIONS,
+    LevelledPartition,
     Partition,
     PartitionKind,
     calibrate_eps,
+    context_partition,
     hash_partition,
     hidden_partition,
     leader_cluster,
@@ -48,6 +53,7 @@ __all__ = [
     "PARTITIONS",
     "PRESETS",
     "BatchLayout",
+    "LevelledPartition",
     "EstimatorSettings",
     "Partition",
     "PartitionKind",
@@ -57,6 +63,7 @@ __all__ = [
     "StepEstimate",
     "calibrate_eps",
     "compute_advantages",
+    "context_partition",
     "estimate_advantages",
     "episode_advantage",
     "episode_returns",

@@ -8,6 +8,7 @@ singleton cell (|C| = 1) gets A^s = 0, since nothing is compared.
     pace_q     A^s_i = Q̂(a_i) - V̂,  Q̂(a) = mean{R_j : j∈C, key_j = a}, V̂ = mean_C R
     pace_diff  A^s_i = R_i - mean{R_j : j∈C, key_j ≠ key_i}
     gae        GAE over the grouped value proxy V̄(s) = mean_C R, normalised per group
+    hierarchy  HGPO: one advantage per context level k, a weighted mean of the levels
 
 `pace_q` and `pace_diff` fall back to leave-one-out, R_i - mean_{j∈C, j≠i} R_j, when
 their action-side comparison is empty (one distinct key in the cell, or no
@@ -27,6 +28,18 @@ cell like every other baseline's, and no δ (a penalty inside r_t would hand the
 *before* an invalid action a net bonus of γ(1-λ)p). At λ = 1 the sum telescopes to
 Â_t = R_t - mean_C R with the penalised returns R, as for `mean` without the std.
 
+`hierarchy` in full (HGPO; `hierarchy_baseline`), over the levels G_0 ⊇ ... ⊇ G_K of a
+`LevelledPartition` (a flat partition is one level), for the levels step i has (k <= t):
+
+    a_k(i) = R_i - mean_{G_k(i)} R                 (÷ (σ_k + 1e-6), population σ, mean_std)
+    S(i)   = {k : |G_k(i)| > 1, and a_k(i) != 0 when drop_zero_levels}
+    A^s_i  = Σ_{k∈S} w_k a_k(i) / (Σ_{k∈S} w_k + 1e-6),   w_k = (k+2)^α  ("k+2") or (k+1)^α ("k+1")
+
+with `base_group` adding A^ep_i as one more item of weight 1, and A^s = 0 when S is
+empty. `level_baseline` swaps a_k for another baseline on the level's cells (`pace_q`,
+`pace_diff`). verl-agent's `core_hgpo.py` uses (k+2)^α and drops exact zeros: the
+defaults; the paper writes (k+1)^α and drops nothing.
+
 Singletons under `gae`: a step alone in its cell gets A^s = 0 and is left out of μ_B
 and σ_B, but its V̄ (its own return) still enters the δ of its predecessor in the
 trajectory, so a singleton successor still moves the step before it.
@@ -38,14 +51,43 @@ from dataclasses import dataclass
 
 import torch
 
-from .partition import Partition
+from .partition import LevelledPartition, Partition
 from .records import BatchLayout, segment_mean_std, segment_reference, segment_sum
 from .returns import EPS, discounted_cumsum_grid
 
-__all__ = ["BaselineResult", "mean_baseline", "pace_q_baseline", "pace_diff_baseline", "gae_baseline", "grouped_gae", "BASELINES"]
+__all__ = [
+    "BaselineResult",
+    "LevelDetail",
+    "mean_baseline",
+    "pace_q_baseline",
+    "pace_diff_baseline",
+    "gae_baseline",
+    "grouped_gae",
+    "hierarchy_baseline",
+    "level_weights",
+    "BASELINES",
+    "LEVEL_BASELINES",
+]
 
 # PACE branch codes reported in the diagnostics.
 BRANCH_PACE, BRANCH_LOO, BRANCH_SINGLETON = 0, 1, 2
+
+
+@dataclass
+class LevelDetail:
+    """What `hierarchy_baseline` did per step and level: (N, K+1) tensors, column k = level k.
+
+    Attributes:
+        cell: the step's cell at level k, -1 where it has no level k (t < k).
+        size: that cell's size (0 where absent).
+        advantage: a_k, float64 (0 where absent or alone).
+        used: the level entered the weighted mean.
+    """
+
+    cell: torch.Tensor
+    size: torch.Tensor
+    advantage: torch.Tensor
+    used: torch.Tensor
 
 
 @dataclass
@@ -55,6 +97,7 @@ class BaselineResult:
     advantage: torch.Tensor
     branch: torch.Tensor | None = None
     keys_per_cell: torch.Tensor | None = None  # (num_cells,) distinct action keys
+    levels: LevelDetail | None = None  # per-level detail of `hierarchy`
 
 
 def _divide_by_cell_std(centred, std, cell):
@@ -222,9 +265,95 @@ def gae_baseline(
     return BaselineResult(torch.where(shared, normalised, torch.zeros_like(normalised)))
 
 
+def hgpo_level_mean(returns: torch.Tensor, partition: Partition, *, norm: str = "mean_std", **_) -> BaselineResult:
+    """HGPO's per-level advantage: R_i - mean_C R, ÷ (population std_C + 1e-6) for mean_std
+    (`mean_baseline` divides by the unbiased std, as GiGPO's code does; HGPO's does not)."""
+    count, mean, std = segment_mean_std(returns, partition.cell, partition.num_cells)
+    advantage = returns - mean[partition.cell]
+    if norm == "mean_std":
+        population = std * ((count - 1).clamp(min=0) / count.clamp(min=1)).sqrt()
+        advantage = _divide_by_cell_std(advantage, population, partition.cell)
+    return BaselineResult(torch.where(count[partition.cell] > 1, advantage, torch.zeros_like(advantage)))
+
+
+def level_weights(depth: int, alpha: float, offset: int) -> torch.Tensor:
+    """(K+1,) float64 weights w_k = (k + offset)^α of the levels k = 0..K: offset 2 is
+    verl-agent's code ((k+2)^α: 2:3:4 at K = 2, α = 1), offset 1 the paper's ((k+1)^α)."""
+    return (torch.arange(depth + 1, dtype=torch.float64) + offset) ** alpha
+
+
+def hierarchy_baseline(
+    returns: torch.Tensor,
+    partition: Partition,
+    *,
+    norm: str = "mean_std",
+    level_baseline: str = "mean",
+    level_alpha: float = 1.0,
+    level_weight_offset: int = 2,
+    drop_zero_levels: bool = True,
+    base_group: bool = False,
+    episode_advantage: torch.Tensor | None = None,
+    **kwargs,
+) -> BaselineResult:
+    """HGPO: per-level advantages over nested context cells, combined by fixed weights
+    (module docstring, "hierarchy in full").
+
+    Args:
+        returns: (N,) float64 step returns; partition: a `LevelledPartition` (a flat
+            `Partition` counts as its level 0 only).
+        norm: "mean_std" or "mean", for the `mean` level baseline.
+        level_baseline: the baseline of each level, a name in `LEVEL_BASELINES`; its
+            other arguments (action_key, pace_norm) come through `kwargs`.
+        level_alpha, level_weight_offset: w_k = (k + offset)^α (`level_weights`).
+        drop_zero_levels: leave a level out of the mean when its a_k is exactly 0 (the code).
+        base_group: add the episode advantage (N,) `episode_advantage` as an item of weight 1.
+    Returns:
+        `BaselineResult` with `levels` (`LevelDetail`).
+    """
+    if isinstance(partition, LevelledPartition):
+        parts, reach = partition.levels, partition.reach
+    else:
+        parts, reach = (partition,), torch.zeros_like(partition.cell)
+    level_fn = LEVEL_BASELINES[level_baseline]
+    cells, sizes, advantages, used = [], [], [], []
+    for k, part in enumerate(parts):
+        present = reach >= k
+        a = level_fn(returns, part, norm=norm, **kwargs).advantage
+        a = torch.where(present, a, torch.zeros_like(a))
+        size = torch.where(present, part.step_cell_size(), torch.zeros_like(part.cell))
+        use = size > 1
+        if drop_zero_levels:
+            use &= a != 0
+        cells.append(torch.where(present, part.cell, torch.full_like(part.cell, -1)))
+        sizes.append(size)
+        advantages.append(a)
+        used.append(use)
+    detail = LevelDetail(torch.stack(cells, 1), torch.stack(sizes, 1), torch.stack(advantages, 1), torch.stack(used, 1))
+    weight = level_weights(len(parts) - 1, level_alpha, level_weight_offset)[None, :] * detail.used
+    numerator = (weight * detail.advantage).sum(1)
+    denominator = weight.sum(1)
+    if base_group:
+        if episode_advantage is None:
+            raise ValueError("base_group=True needs the episode advantage (the estimator passes it).")
+        base_used = episode_advantage != 0 if drop_zero_levels else torch.ones_like(detail.used[:, 0])
+        numerator = numerator + torch.where(base_used, episode_advantage, torch.zeros_like(numerator))
+        denominator = denominator + base_used.to(denominator.dtype)
+    # as the reference: w / (Σ w + 1e-6); 0 when no level survives
+    return BaselineResult(numerator / (denominator + EPS), levels=detail)
+
+
 BASELINES = {
     "mean": mean_baseline,
     "pace_q": pace_q_baseline,
     "pace_diff": pace_diff_baseline,
     "gae": gae_baseline,
+    "hierarchy": hierarchy_baseline,
+}
+
+# The baselines `hierarchy` can apply to each level: each compares a step with its own cell only
+# (`gae` cannot: its value proxy follows the trajectory into the next step's cell).
+LEVEL_BASELINES = {
+    "mean": hgpo_level_mean,
+    "pace_q": pace_q_baseline,
+    "pace_diff": pace_diff_baseline,
 }

@@ -7,6 +7,9 @@ count as "the same state" for the step baseline. Cells never cross task groups.
 - `hash_partition`: steps with identical anchors share a cell (GiGPO, GAGPO).
 - `hidden_partition`: leader clustering of the actor's hidden states by cosine
   distance (BiGPO), with `calibrate_eps` for `cluster_eps="auto"`.
+- `context_partition`: HGPO's nested context levels over any of them (`context_levels`
+  = K > 0): level k groups the steps whose last k+1 base cells agree
+  (`LevelledPartition`).
 
 `PARTITIONS` names them, as `BASELINES` names the step baselines. Each entry says which
 `StepBatch` fields it reads (the trainer captures hidden states only for a partition
@@ -34,12 +37,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Partition",
+    "LevelledPartition",
     "PartitionKind",
     "PARTITIONS",
     "register_partition",
     "resolve_partition",
     "hash_partition",
     "hidden_partition",
+    "context_partition",
     "leader_cluster",
     "calibrate_eps",
     "bisect_eps",
@@ -83,6 +88,67 @@ class Partition:
         num_labels = int(label_dense.max()) + 1 if label_dense.numel() else 1
         _, cell, size = torch.unique(group_index * num_labels + label_dense, return_inverse=True, return_counts=True)
         return cls(cell=cell, size=size)
+
+
+@dataclass
+class LevelledPartition(Partition):
+    """Nested context levels over a base partition (HGPO, SPEC §4 "HGPO"): `context_partition`.
+
+    Level k = 0..K holds the steps with t >= k, in cells of equal context
+    C_k(t) = (c_{t-k}, ..., c_t), the base cells of the step and its k predecessors in
+    its trajectory; level 0 is the base partition. Levels nest: G_0 ⊇ G_1 ⊇ ... ⊇ G_K.
+
+    Attributes:
+        cell, size: the flat partition a one-level baseline (`mean`, `pace_q`, ...) uses:
+            each step in its deepest level, cells = distinct (min(K, t), C_min(K,t)), i.e.
+            steps whose whole K-step context agrees (t < K: the whole history).
+        levels: K+1 partitions of all N steps; a step without level k (t < k) sits in a
+            cell of its own there, so a baseline gives it 0; `reach` says it is absent.
+        reach: (N,) int64, min(K, t): the deepest level each step has.
+    """
+
+    levels: tuple[Partition, ...] = ()
+    reach: torch.Tensor | None = None
+
+    @property
+    def depth(self) -> int:
+        """K, the deepest level."""
+        return len(self.levels) - 1
+
+
+def context_partition(base: Partition, layout: BatchLayout, levels: int) -> LevelledPartition:
+    """HGPO's hierarchy of context-consistent groups over the cells of `base`.
+
+    Level-k label of step t: the level-(k-1) label paired with the base cell of step
+    t-k of the same trajectory, so equal labels mean equal (c_{t-k}, ..., c_t); one
+    `torch.unique` per level, O(K·N log N). The reference (verl-agent `core_hgpo.py`)
+    keys its cells on the raw anchors of the window; over `hash_partition` the cells
+    are the same, and a trajectory may put several of its steps into one cell.
+
+    Args:
+        base: cells of the batch (any partition: `hash`, `hidden`, a registered one).
+        layout: the batch layout (trajectories, t).
+        levels: K >= 0, the number of previous steps the deepest level compares.
+    Returns:
+        `LevelledPartition` with K+1 levels.
+    """
+    n = base.cell.shape[0]
+    t = layout.grid_position - layout.traj_index * layout.max_length
+    reach = t.clamp(max=levels)
+    grid = layout.to_grid(base.cell, fill=-1).reshape(-1)
+    unique_absent = -1 - torch.arange(n)  # a key no other step has
+    label, labels, parts = base.cell, [base.cell], [base]
+    for k in range(1, levels + 1):
+        present = t >= k
+        earlier = grid[(layout.grid_position - k).clamp(min=0)]  # base cell of step t-k
+        key = torch.where(present, label * max(base.num_cells, 1) + earlier, unique_absent)
+        _, label, size = torch.unique(key, return_inverse=True, return_counts=True)
+        labels.append(label)
+        parts.append(Partition(cell=label, size=size))
+    stacked = torch.stack(labels)  # (K+1, N)
+    deepest = stacked.gather(0, reach[None])[0] if n else reach
+    _, cell, size = torch.unique(reach * max(n, 1) + deepest, return_inverse=True, return_counts=True)
+    return LevelledPartition(cell=cell, size=size, levels=tuple(parts), reach=reach)
 
 
 def hash_partition(anchor: torch.Tensor, layout: BatchLayout) -> Partition:

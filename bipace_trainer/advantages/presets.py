@@ -14,6 +14,9 @@ step baseline (`baselines.BASELINES`) over the cells of the state partition
     bipace_diff   hidden     pace_diff  1     token
     gagpo         hash       gae        0     sequence
     bigagpo       hidden     gae        0     sequence
+    hgpo          hash, K=2  hierarchy  0     token      (levels: mean, as verl-agent)
+    bihgpo        hidden,K=2 hierarchy  0     token      (levels: mean)
+    bihpace_q     hidden,K=2 hierarchy  0     token      (levels: pace_q)
 
 Every knob stays settable: `resolve_settings("gigpo", norm="mean")` is GiGPO without
 the std, as in its WebShop ablation. New values are registrations, not edits:
@@ -32,8 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON
-from .partition import PARTITIONS, Partition, PartitionKind, bisect_eps, resolve_partition
+from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, LevelDetail
+from .partition import PARTITIONS, Partition, PartitionKind, bisect_eps, context_partition, resolve_partition
 from .records import BatchLayout, StepBatch
 from .returns import discounted_cumsum, episode_advantage, step_returns, truncation_value
 
@@ -50,6 +53,7 @@ __all__ = [
 ]
 
 NORMS = ("mean", "mean_std")
+LEVEL_WEIGHT_OFFSETS = {"k+2": 2, "k+1": 1}  # verl-agent's code, the HGPO paper
 
 
 class SettingsError(ValueError):
@@ -86,6 +90,19 @@ class EstimatorSettings:
         bootstrap_truncated: False (GiGPO's behaviour): a trajectory cut by the turn
             budget ends with R_L = 0, as if the env had ended it. True: its last step
             bootstraps from the value proxy, R_L = V̄(s_{L-1}) (`returns.truncation_value`).
+
+        HGPO (SPEC §4 "HGPO"; arXiv 2602.22817, verl-agent `recipe/hgpo/core_hgpo.py`):
+        context_levels: K, previous steps a context compares (`partition.context_partition`
+            over the partition above); 0: the flat partition. With a one-level baseline the
+            cells are the deepest level (steps whose K-step context agrees).
+        level_baseline: the advantage of each level under `baseline="hierarchy"`: "mean"
+            (HGPO, population std under mean_std), "pace_q" or "pace_diff".
+        level_alpha: α of the level weights. level_weights: "k+2" (w_k = (k+2)^α, the code
+            that produced the published numbers) or "k+1" (the paper's formula).
+        drop_zero_levels: True (the code): a level whose advantage is exactly 0 leaves the
+            weighted mean; False (the paper): it stays in with its weight.
+        base_group: add the episode advantage (`norm`, `episode_stats`) as one more item
+            of weight 1 (the code's `base_group`, off by default); `w_ep` stays separate.
     """
 
     partition: str = "hidden"
@@ -104,6 +121,12 @@ class EstimatorSettings:
     recalibrate_every: int = 0
     importance_sampling_level: str = "token"
     bootstrap_truncated: bool = False
+    context_levels: int = 0
+    level_baseline: str = "mean"
+    level_alpha: float = 1.0
+    level_weights: str = "k+2"
+    drop_zero_levels: bool = True
+    base_group: bool = False
 
     def __post_init__(self):
         def fail(name, message):
@@ -151,6 +174,15 @@ class EstimatorSettings:
             fail("recalibrate_every", "must be >= 0 (0 = calibrate once).")
         if not isinstance(self.bootstrap_truncated, bool):
             fail("bootstrap_truncated", "must be True or False.")
+        if isinstance(self.context_levels, bool) or not isinstance(self.context_levels, int) or self.context_levels < 0:
+            fail("context_levels", "must be an integer >= 0 (K previous steps; 0 = no context levels).")
+        choice("level_baseline", tuple(LEVEL_BASELINES))
+        choice("level_weights", tuple(LEVEL_WEIGHT_OFFSETS))
+        if isinstance(self.level_alpha, bool) or not math.isfinite(float(self.level_alpha)):
+            fail("level_alpha", "must be a finite number (HGPO: 1).")
+        for name in ("drop_zero_levels", "base_group"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be True or False.")
 
     @property
     def partition_kind(self) -> PartitionKind:
@@ -176,6 +208,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "bipace_diff": dict(partition="hidden", baseline="pace_diff"),
     "gagpo": dict(partition="hash", baseline="gae", w_ep=0.0, importance_sampling_level="sequence"),
     "bigagpo": dict(partition="hidden", baseline="gae", w_ep=0.0, importance_sampling_level="sequence"),
+    "hgpo": dict(partition="hash", baseline="hierarchy", context_levels=2, w_ep=0.0),
+    "bihgpo": dict(partition="hidden", baseline="hierarchy", context_levels=2, w_ep=0.0),
+    "bihpace_q": dict(partition="hidden", baseline="hierarchy", level_baseline="pace_q", context_levels=2, w_ep=0.0),
 }
 
 
@@ -209,14 +244,20 @@ def resolve_settings(preset: str = "bipace_q", **overrides: Any) -> EstimatorSet
         raise SettingsError(err.field, f"{err} (preset={preset!r})") from None
 
 
-def _build_partition(settings: EstimatorSettings, batch: StepBatch, layout: BatchLayout, eps: float | None) -> Partition:
+def _build_partition(
+    settings: EstimatorSettings, batch: StepBatch, layout: BatchLayout, eps: float | None, *, levels: bool = True
+) -> Partition:
+    """The partition's cells; with `context_levels` K > 0 (and `levels`), its K context levels."""
     kind = settings.partition_kind
     for name in sorted(kind.needs):
         if getattr(batch, name, None) is None:
             raise ValueError(
                 f"partition={settings.partition!r} needs StepBatch.{name}; the rollout must record it for every step."
             )
-    return kind.build(batch, layout, eps)
+    base = kind.build(batch, layout, eps)
+    if levels and settings.context_levels:
+        return context_partition(base, layout, settings.context_levels)
+    return base
 
 
 def _quantiles(values: torch.Tensor, *q: float) -> list[float]:
@@ -254,6 +295,28 @@ def _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, 
         for name, code in (("pace", BRANCH_PACE), ("loo", BRANCH_LOO), ("singleton", BRANCH_SINGLETON)):
             diag[f"estimator/branch_{name}_frac"] = float((step_result.branch == code).sum()) / n
         diag["estimator/action_keys_per_cell"] = float(step_result.keys_per_cell.to(torch.float64).mean())
+    if step_result.levels is not None:
+        diag.update(level_diagnostics(step_result.levels))
+    return diag
+
+
+def level_diagnostics(levels: LevelDetail) -> dict[str, float]:
+    """Per context level k: mean cell size (over the level's cells) and singleton rate (over
+    the steps that have level k); the fraction of steps whose deepest surviving (used)
+    level is k, and of steps with none (their A^s is 0, or the episode item alone)."""
+    n, depth = levels.used.shape
+    diag: dict[str, float] = {}
+    used = levels.used
+    deepest = torch.where(used.any(1), depth - 1 - used.flip(1).to(torch.int64).argmax(1), torch.full((n,), -1))
+    for k in range(depth):
+        present = levels.cell[:, k] >= 0
+        size = levels.size[present, k].to(torch.float64)
+        # each cell counted once: a step in a cell of size s carries 1/s of it
+        num_cells = float((1.0 / size).sum()) if size.numel() else 0.0
+        diag[f"hierarchy/level{k}/cell_size_mean"] = float(size.numel()) / num_cells if num_cells else 0.0
+        diag[f"hierarchy/level{k}/singleton_rate"] = float((size == 1).to(torch.float64).mean()) if size.numel() else 0.0
+        diag[f"hierarchy/deepest_level{k}_frac"] = float((deepest == k).sum()) / n if n else 0.0
+    diag["hierarchy/no_level_frac"] = float((deepest < 0).sum()) / n if n else 0.0
     return diag
 
 
@@ -268,6 +331,8 @@ class StepEstimate:
         cell: (N,) int64 cell of the state partition, or None without a step term.
         branch: (N,) int64 PACE branch (`BRANCH_PACE`, `BRANCH_LOO`, `BRANCH_SINGLETON`),
             or None for the other baselines.
+        levels: per step and context level, cell, size, advantage and whether it was used
+            (`baselines.LevelDetail`, (N, K+1) each) under `baseline="hierarchy"`; else None.
     """
 
     advantage: torch.Tensor
@@ -275,6 +340,7 @@ class StepEstimate:
     step_return: torch.Tensor | None = None
     cell: torch.Tensor | None = None
     branch: torch.Tensor | None = None
+    levels: LevelDetail | None = None
 
 
 def compute_advantages(
@@ -349,6 +415,12 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
             lam=settings.lam,
             penalty=penalty,
             env_returns=env_returns,
+            episode_advantage=ep_adv,
+            level_baseline=settings.level_baseline,
+            level_alpha=settings.level_alpha,
+            level_weight_offset=LEVEL_WEIGHT_OFFSETS[settings.level_weights],
+            drop_zero_levels=settings.drop_zero_levels,
+            base_group=settings.base_group,
         )
         step_adv = step_result.advantage
     else:
@@ -364,6 +436,7 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         estimate.step_return = returns
         estimate.cell = partition.cell if partition is not None else None
         estimate.branch = step_result.branch if step_result is not None else None
+        estimate.levels = step_result.levels if step_result is not None else None
     return estimate
 
 
@@ -410,7 +483,8 @@ class StepAdvantageEstimator:
         eps = math.nan
         if len(batch):
             layout = BatchLayout.from_batch(batch)
-            rate = lambda e: _build_partition(s, batch, layout, e).singleton_rate()  # noqa: E731
+            # ε is a property of the base partition (the state clusters), not of its context levels
+            rate = lambda e: _build_partition(s, batch, layout, e, levels=False).singleton_rate()  # noqa: E731
             eps = bisect_eps(rate, s.target_singleton_rate, s.max_cluster_eps)
         if reduce is not None:
             eps = reduce(eps)

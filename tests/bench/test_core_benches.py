@@ -25,9 +25,11 @@ def run(module, out, *extra):
 def test_estimator_benchmark(tmp_path):
     result, printed = run("estimators", tmp_path / "estimators.json")
     presets = {row["preset"] for row in result["presets"]}
-    assert presets == {"grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo"}
+    assert presets == {"grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo", "hgpo", "bihgpo", "bihpace_q"}
     assert all(row["steps_per_s"] > 0 and row["reference_seconds"] > 0 for row in result["presets"])
-    assert {row["preset"] for row in result["scaling"]} == {"gigpo", "bipace_q", "gagpo"}
+    # the hierarchy presets are timed against verl-agent's HGPO, the others against its GiGPO
+    assert {row["preset"] for row in result["presets"] if row["reference"] == "hgpo"} == {"hgpo", "bihgpo", "bihpace_q"}
+    assert {row["preset"] for row in result["scaling"]} == {"gigpo", "bipace_q", "gagpo", "hgpo"}
     assert 0.0 <= result["calibration"]["eps"] <= 0.3
     assert "speed-up" in printed
 

@@ -152,8 +152,19 @@ def test_oracle_study_ci_size(tmp_path):
     with_hidden = [b for b in batches if b["env"] == "textcraft" and "bipace_q" in b["estimators"]]
     assert len(with_hidden) == 1
     b = with_hidden[0]
-    assert set(b["estimators"]) == {"grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo"}
-    assert set(b["axes"]) == {f"{p}/{q}" for p in ("hash", "hidden", "true") for q in ("mean", "pace_q", "pace_diff", "gae")}
+    assert set(b["estimators"]) == {
+        "grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo", "hgpo", "bihgpo", "bihpace_q",
+    }  # fmt: skip
+    baselines = ("mean", "pace_q", "pace_diff", "gae", "hierarchy", "hierarchy_pace_q")
+    assert set(b["axes"]) == {f"{p}/{q}" for p in ("hash", "hidden", "true") for q in baselines}
+    for batch in batches:  # HGPO's context inconsistency at K = 2, on every batch
+        context = batch["context"]
+        assert 0.0 <= context["pairs_differ"] <= 1.0 and context["levels"] == 2
+        # context cells split anchor cells: more singletons, more same-state pairs apart
+        assert context["context"]["singleton_rate"] >= context["anchor"]["singleton_rate"]
+        if not math.isnan(context["anchor"]["split_rate"]):
+            assert context["context"]["split_rate"] >= context["anchor"]["split_rate"] - 1e-12
+    assert "context inconsistency at K = 2" in proc.stdout
     for metrics in [*b["estimators"].values(), *b["axes"].values()]:
         assert 0.0 <= metrics["sign_agreement"] <= 1.0
         if metrics["zero_rate"] < 1.0:  # an all-zero advantage has no correlation (NaN)
