@@ -104,7 +104,7 @@ def test_each_turn_is_one_step_tool_results_are_the_next_state_and_get_reward_sc
     scripts = [
         [call("flip_a"), call("flip_b"), "Done."],  # A then B: both on
         [call("flip_b"), call("flip_a"), "Done."],  # B then A: the same state by another path
-        [call("flip_a"), "Done."],  # stops with B off
+        [call("flip_a"), "Done."],  # stops with B off: half the reward
         [call("flip_a", "flip_b"), "Done."],  # two calls in one turn: one step, both on
     ]
     rollout, metrics = play(tokenizer, Lamps, scripts)
@@ -117,8 +117,8 @@ def test_each_turn_is_one_step_tool_results_are_the_next_state_and_get_reward_sc
     assert [s.anchor for s in by_traj[1]] == [start, "Lamp A is off. Lamp B is on.", both_on]
     assert [s.anchor for s in by_traj[3]] == [start, "Lamp A is on. Lamp B is off.\n" + both_on]
     # the reward sits on the last step only: get_reward() once the model answers
-    assert [[s.reward for s in by_traj[t]] for t in range(4)] == [[0, 0, 1], [0, 0, 1], [0, 0], [0, 1]]
-    assert [e.won for e in rollout.episodes] == [True, True, False, True]
+    assert [[s.reward for s in by_traj[t]] for t in range(4)] == [[0, 0, 1], [0, 0, 1], [0, 0.5], [0, 1]]
+    assert [e.won for e in rollout.episodes] == [True, True, True, True]  # a positive reward
     assert [e.length for e in rollout.episodes] == [3, 3, 2, 2]
     assert not any(e.failed or e.truncated for e in rollout.episodes)
     # PACE keys: the same tool call is the same action, whatever the path; an answer is its own key

@@ -81,11 +81,12 @@ class Recording(BiPACETrainer):
 def test_steps_reaching_one_state_by_different_tool_sequences_share_a_cell_and_get_step_credit(tool_policy_dir, tmp_path):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tool_policy_dir), load_tokenizer(tool_policy_dir)
     # Group 0 plays Lamps, group 1 BrokenLamps (flip_b raises): a dict of factories, by the rows' column.
+    # 16 rollouts per group: paths such as (look) and (), or (flip_a, flip_b) and (flip_b, flip_a), meet.
     dataset = prompt_dataset(4).add_column("environment", ["lamps", "broken"] * 2)
     args = BiPACEConfig(
         output_dir=str(tmp_path), preset="gigpo", w_ep=0.0,  # the advantage is the step term alone
         tasks_per_iteration=2, max_turns=5, rollout_dump_steps=1, shuffle_dataset=False, eval_tasks=2,
-        **{**SHARED, "num_generations": 8, "max_steps": 1},
+        **{**SHARED, "num_generations": 16, "max_steps": 1},
     )
     trainer = Recording(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset,

@@ -3,9 +3,10 @@
 `Lamps` is written the way TRL's docs write an environment: `reset(**kwargs)` returns the
 observation, public methods with type hints and Google-style docstrings are the tools,
 and `get_reward()` scores the episode. Two lamps start off; `flip_a()` and `flip_b()`
-toggle one each, and the reward is 1 when both are on as the agent answers. Different tool
-sequences reach the same state: A then B and B then A both light the room, A then A and
-B then B both leave it dark, and each tool returns the full state as text.
+toggle one each, `look()` changes nothing, and the reward is the fraction of lamps on when
+the agent answers. Different tool sequences reach the same state (A then B and B then A
+light the room; look, or A then A, leave it as it started), and every tool returns the
+full state as text.
 
 The tokenizer is a byte-level BPE trained here on such chats, with Qwen2.5's chat template
 taken from the installed TRL (`trl/chat_templates/qwen2_5.jinja`, the template TRL
@@ -27,6 +28,7 @@ from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 
 SYSTEM = "Light both lamps, then answer."
 PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Light both lamps. "}]
+TOOLS = ("flip_a", "flip_b", "look")
 
 
 class Lamps:
@@ -59,8 +61,17 @@ class Lamps:
         self.lamps["B"] = not self.lamps["B"]
         return self._state()
 
+    def look(self) -> str:
+        """
+        Look at the lamps.
+
+        Returns:
+            The state of both lamps.
+        """
+        return self._state()
+
     def get_reward(self) -> float:
-        return 1.0 if all(self.lamps.values()) else 0.0
+        return sum(self.lamps.values()) / len(self.lamps)
 
 
 def qwen2_5_template() -> str:
@@ -73,15 +84,15 @@ def _call(name: str) -> str:
 
 
 def demonstration_chats(count: int, seed: int = 0) -> list[list[dict]]:
-    """Chats that flip random lamps for 1-3 turns (mostly 2) and then answer "Done."."""
+    """Chats that call random tools for 1-3 turns and then answer "Done."."""
     rng = random.Random(seed)
     chats = []
     for _ in range(count):
         env = Lamps()
         chat = [dict(m) for m in PROMPT]
         chat[-1]["content"] += env.reset()
-        for _ in range(rng.choice([1, 2, 2, 2, 3])):
-            name = rng.choice(["flip_a", "flip_b"])
+        for _ in range(rng.choice([1, 2, 2, 3])):
+            name = rng.choice(TOOLS)
             chat.append({"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {"name": name, "arguments": {}}}]})
             chat.append({"role": "tool", "name": name, "content": getattr(env, name)()})
@@ -91,12 +102,12 @@ def demonstration_chats(count: int, seed: int = 0) -> list[list[dict]]:
 
 
 def make_tokenizer():
-    tools = [Lamps().flip_a, Lamps().flip_b]
+    tools = [getattr(Lamps(), name) for name in TOOLS]
     template = qwen2_5_template()
     probe = bpe_chat_tokenizer(["x"], vocab_size=300)
     probe.chat_template = template
     corpus = [probe.apply_chat_template(chat, tools=tools, tokenize=False) for chat in demonstration_chats(40)]
-    corpus += [_call("flip_a"), _call("flip_b"), "Done."]
+    corpus += [_call(name) for name in TOOLS] + ["Done."]
     tokenizer = bpe_chat_tokenizer(corpus, vocab_size=700)
     tokenizer.chat_template = template
     return tokenizer
@@ -111,7 +122,7 @@ def warm_start(model, tokenizer, output_dir: str, max_steps: int = 40, seed: int
     template renders it with the tools, the completion the turn's text up to <|im_end|>."""
     from trl import SFTConfig, SFTTrainer
 
-    tools = [Lamps().flip_a, Lamps().flip_b]
+    tools = [getattr(Lamps(), name) for name in TOOLS]
     rows = []
     for chat in demonstration_chats(120, seed=seed):
         for k, message in enumerate(chat):
