@@ -137,7 +137,8 @@ class OpenEnvEnvironment(TRLEnvironment):
         except Exception as error:  # whatever the server or the wire did, only this episode ends
             self._close_client()
             kind = failure_kind(error)
-            return failure_result(f"{kind}: {phase} at {self.base_url}: {type(error).__name__}: {error}"[:400])
+            detail = f"no answer within {self.timeout_s:g} s" if kind == "timeout" else f"{type(error).__name__}: {error}"
+            return failure_result(f"{kind}: {phase} at {self.base_url}: {detail}"[:400])
 
     def _close_client(self) -> None:
         client, self._client = self._client, None

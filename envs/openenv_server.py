@@ -326,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--max-sessions", type=int, default=64, help="concurrent WebSocket sessions (>= rollouts per batch)")
-    parser.add_argument("--step-timeout", type=float, default=60.0, help="seconds an engine step may take before its episode fails")
+    parser.add_argument("--step-timeout", type=float, default=60.0,
+                        help="seconds an engine step may take before its episode fails")
     parser.add_argument("--fault", action="append", default=[], type=Fault.parse,
                         help="kind[:tasks=1,2][:step=N][:seconds=S], kind in die/slow/garble/error (repeatable)")
     args = parser.parse_args(argv)

@@ -28,7 +28,8 @@ How one of our `TextEnv` steps maps onto it:
   line saying so. The observation is passed unchanged because it is the state: exact-match
   step credit (GiGPO's anchor, `BiPACETrainer`'s hash partition) groups on it. The env's
   own anchor (the observation without action feedback) is the attribute `anchor`.
-- A call after the episode ended raises `ValueError` (TRL's documented "game over" signal).
+- A call after the episode ended changes nothing and says so (not an exception: a trainer
+  that counts a raising tool as an env failure would turn a won episode into a failed one).
 - An env that fails (raises, hangs past `step_timeout`, returns garbage) is handled by
   `envs.vector.VectorEnv`'s failure contract: the episode ends, `failure` holds the reason,
   and the failed `act` raises `EnvironmentFailure` so the trainer sees a failed tool call.
@@ -158,8 +159,10 @@ class TRLEnvironment:
             once the episode is over, a line saying so.
         """
         if self.done:
+            # Said, not raised: an extra call after a won episode is the model's mistake, not an
+            # env failure (a trainer that counts raising tools as failed episodes would undo the win).
             reason = f" ({self.failure})" if self.failure else ""
-            raise ValueError(f"{EPISODE_OVER}{reason}; reply without calling a tool.")
+            return f"{EPISODE_OVER}{reason}; nothing was done. Reply without calling a tool."
         result = self._step(str(command))
         self.steps += 1
         text = self._take(result)

@@ -65,8 +65,7 @@ def test_a_served_episode_matches_the_local_env(server):
     truth = env.step("right")
     assert text.split("\n")[0] == truth.observation
     assert (tool.done, tool.won, tool.get_reward(), tool.failure) == (True, True, 1.0, None)
-    with pytest.raises(ValueError, match="episode is over"):
-        tool.act("right")
+    assert tool.act("right").startswith("The episode is over; nothing was done.")
 
 
 def test_sessions_are_isolated(server):
@@ -104,8 +103,7 @@ def test_a_refused_connection_fails_the_episode_at_reset():
     text = bounded(lambda: tool.reset(task_id=HEALTHY))
     assert isinstance(text, str) and "The environment failed" in text
     assert tool.failure.startswith("unreachable") and tool.done
-    with pytest.raises(ValueError, match="unreachable"):
-        tool.act("right")
+    assert "unreachable" in tool.act("right")
 
 
 def test_a_server_killed_mid_episode_fails_its_open_episodes_and_later_resets():
