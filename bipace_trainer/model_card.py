@@ -105,7 +105,7 @@ def _evaluation(trainer: BiPACETrainer) -> list[str]:
         f"(temperature {args.eval_temperature}): **{final['success_rate']:.3f}**"
         + (f" (before training: {before['success_rate']:.3f})" if before else ""),
         "",
-        f"| {trainer.env_class.report_key or 'tasks'} | success after training | before training |",
+        f"| {trainer.collector.source.report_key or 'tasks'} | success after training | before training |",
         "|---|---|---|",
         f"| all | {final['success_rate']:.3f} | {before['success_rate']:.3f} |" if before
         else f"| all | {final['success_rate']:.3f} | – |",
