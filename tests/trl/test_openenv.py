@@ -193,3 +193,33 @@ def test_grpo_trainer_survives_a_misbehaving_server(server, tool_policy, tmp_pat
     assert failed and failed <= {GARBLED, ERROR, SLOW}  # only the faulty tasks' episodes failed
     assert all(failure is None for task_id, failure in seen if task_id == HEALTHY)
     assert logs["tools/failure_frequency"] > 0
+
+
+def test_bipace_trainer_survives_a_misbehaving_server(server, tool_policy, tmp_path):
+    """Under BiPACETrainer each fault ends only the episodes it touches, counted in env/failures."""
+    from datasets import Dataset
+
+    from envs.trl_env import TASK_PROMPT
+    from tests.trainer.test_trl_environment import Recording
+    from tests.trl.test_bipace_trainer import bipace_args
+
+    model, tokenizer = tool_policy
+    Served = openenv_trl_environment(server.url, timeout_s=CLIENT_TIMEOUT, close_timeout_s=CLIENT_TIMEOUT)
+    task_ids = [GARBLED, ERROR, SLOW, HEALTHY]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": TASK_PROMPT}], "task_id": t} for t in task_ids])
+    trainer = Recording(model=model, processing_class=tokenizer, train_dataset=dataset, environment_factory=Served,
+                        args=bipace_args(tmp_path, tasks_per_iteration=4, num_generations=4))
+    trainer.recorded = []
+    trainer.train()
+    trainer.close_envs()
+    assert trainer.state.global_step == 1
+    rollout, _ = trainer.recorded[0]
+    assert {episode.task_id for episode in rollout.episodes} == set(task_ids)
+    # Failures the server caused name it (a malformed tool call from the model is a failure too, of its own).
+    by_server = [episode for episode in rollout.episodes if episode.failed and server.url in episode.failure]
+    assert by_server and {episode.task_id for episode in by_server} <= {GARBLED, ERROR, SLOW}
+    kinds = {GARBLED: "bad_result", ERROR: "server_error", SLOW: "timeout"}
+    for episode in by_server:
+        assert f"({kinds[episode.task_id]}: step at {server.url}" in episode.failure
+    logged = max(entry.get("env/failures", 0) for entry in trainer.state.log_history)
+    assert logged >= len(by_server)
