@@ -132,8 +132,9 @@ def reference_logps(
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations
     with torch.no_grad():
         if trainer.args.gradient_accumulation_steps % generate_every != 0 or trainer.use_vllm:
+            policy = trainer.accelerator.unwrap_model(trainer.model)
             capture = (
-                PositionCapture(trainer.accelerator.unwrap_model(trainer.model), trainer.args.cluster_layer, position=prompt_ids.size(1) - 1)
+                PositionCapture(policy, trainer.args.cluster_layer, position=prompt_ids.size(1) - 1)
                 if capture_hidden
                 else contextlib.nullcontext()
             )

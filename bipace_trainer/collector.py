@@ -147,7 +147,8 @@ class TextEnvSource:
         """`eval_tasks` tasks of `split` (stratified over `report_key`; 0 = all), each
         `eval_rollouts_per_task` times, one group per task."""
         args = self.args
-        specs = stratified_subset(self.env_class.tasks(split, **args.env_kwargs), args.eval_tasks, self.report_key, "eval_tasks")
+        specs = self.env_class.tasks(split, **args.env_kwargs)
+        specs = stratified_subset(specs, args.eval_tasks, self.report_key, "eval_tasks")
         repeats = args.eval_rollouts_per_task
         return [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, spec in enumerate(specs) for _ in range(repeats)]
 
