@@ -154,3 +154,14 @@ def test_a_dict_of_factories_routes_each_row_by_its_environment_column(tokenizer
     good, broken = rollout.episodes
     assert not good.failed and broken.failed
     assert metrics["env/failures"] == 1.0
+
+
+def test_an_unset_env_name_is_checked_only_when_a_trainer_plays_it(monkeypatch, tmp_path):
+    from bipace_trainer import config
+
+    monkeypatch.setattr(config, "DEFAULT_ENV", "no_such_env")
+    args = config.BiPACEConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)  # TRL's envs need none
+    with pytest.raises(ValueError, match="env_name='no_such_env'"):
+        args.require_env()  # what BiPACETrainer calls without environment_factory or tools
+    with pytest.raises(ValueError, match="env_name='no_such_env'"):
+        config.BiPACEConfig(output_dir=str(tmp_path), env_name="no_such_env", report_to="none", use_cpu=True)
