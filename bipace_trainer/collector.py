@@ -124,6 +124,7 @@ class TextEnvSource:
 
     def __init__(self, args):
         self.args = args
+        self.name = args.env_name  # what the model card calls the env
         self.env_class = resolve_env_class(args.env_name)
         self.report_key = self.env_class.report_key
         self.reports_score = getattr(self.env_class, "reports_score", False)
@@ -169,6 +170,9 @@ class ToolEnvSource:
         self.trainer = trainer
         self.num_user_reward_funcs = num_user_reward_funcs
         self.eval_rows = eval_rows or []
+        factories = trainer.environment_factories or {}
+        names = {getattr(f, "__name__", type(f).__name__) for f in factories.values()}
+        self.name = "+".join(sorted(names)) or "tools"  # what the model card calls the env
 
     def env_factory(self) -> tuple[Any, dict[str, Any]]:
         factories = self.trainer.environment_factories

@@ -137,16 +137,17 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
     url = project_url()
     project = f"[{PROJECT}]({url})" if url else f"{PROJECT} (`pip install {PROJECT}`)"
     recipe = getattr(trainer, "recipe", None)
+    env = trainer.collector.source.name
     trackers = tracker_links(args.report_to) if trackers is None else trackers
     lines = [
         "---",
         *([f"base_model: {hub_id}"] if hub_id else []),
         "library_name: peft" if peft else "library_name: transformers",
-        "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + args.env_name + ", " + args.preset + "]",
+        "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + env + ", " + args.preset + "]",
         "---",
         f"# {model_name}",
         "",
-        f"An agent for the **{args.env_name}** text environment, trained with step-level RL by "
+        f"An agent for the **{env}** text environment, trained with step-level RL by "
         f"{project} (preset **{args.preset}**) from base model `{base}`.",
         "",
         "## Training",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-from importlib import resources
 
 from datasets import Dataset
 
@@ -75,8 +74,11 @@ class Lamps:
 
 
 def qwen2_5_template() -> str:
-    """Qwen2.5's chat template as the installed TRL ships it (it renders tools)."""
-    return resources.files("trl").joinpath("chat_templates", "qwen2_5.jinja").read_text()
+    """Qwen2.5's chat template as the installed TRL ships it (`trl/chat_templates/qwen2_5.jinja`):
+    it renders tools, and TRL's `add_response_schema` recognises it."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    return qwen2_5_chat_template
 
 
 def _call(name: str) -> str:
@@ -108,7 +110,7 @@ def make_tokenizer():
     probe.chat_template = template
     corpus = [probe.apply_chat_template(chat, tools=tools, tokenize=False) for chat in demonstration_chats(40)]
     corpus += [_call(name) for name in TOOLS] + ["Done."]
-    tokenizer = bpe_chat_tokenizer(corpus, vocab_size=700)
+    tokenizer = bpe_chat_tokenizer(corpus, vocab_size=2000)
     tokenizer.chat_template = template
     return tokenizer
 
@@ -117,7 +119,7 @@ def make_model(tokenizer, seed: int = 0):
     return tiny_qwen2(tokenizer, hidden_size=64, layers=2, seed=seed)
 
 
-def warm_start(model, tokenizer, output_dir: str, max_steps: int = 40, seed: int = 0):
+def warm_start(model, tokenizer, output_dir: str, max_steps: int = 60, seed: int = 0):
     """SFT on one sample per assistant turn of `demonstration_chats`: the prompt as the chat
     template renders it with the tools, the completion the turn's text up to <|im_end|>."""
     from trl import SFTConfig, SFTTrainer
