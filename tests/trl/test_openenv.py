@@ -103,7 +103,8 @@ def test_a_refused_connection_fails_the_episode_at_reset():
     text = bounded(lambda: tool.reset(task_id=HEALTHY))
     assert isinstance(text, str) and "The environment failed" in text
     assert tool.failure.startswith("unreachable") and tool.done
-    assert "unreachable" in tool.act("right")
+    with pytest.raises(EnvironmentFailure, match="unreachable"):
+        tool.act("right")
 
 
 def test_a_server_killed_mid_episode_fails_its_open_episodes_and_later_resets():
