@@ -219,3 +219,31 @@ def test_bipace_trainer_survives_a_misbehaving_server(server, tool_policy, tmp_p
         assert f"({kinds[episode.task_id]}: step at {server.url}" in episode.failure
     logged = max(entry.get("env/failures", 0) for entry in trainer.state.log_history)
     assert logged >= len(by_server)
+
+
+def test_bipace_trainer_counts_an_unreachable_server_and_plays_the_reachable_one(server, tool_policy, tmp_path):
+    """A dict factory: rows of "up" play the live server, rows of "down" a port nobody listens on."""
+    from envs import trl_task_dataset
+    from tests.trainer.test_trl_environment import Recording
+    from tests.trl.test_bipace_trainer import bipace_args
+
+    model, tokenizer = tool_policy
+    down = refused_url()
+    factories = {
+        "up": openenv_trl_environment(server.url, timeout_s=10),
+        "down": openenv_trl_environment(down, connect_timeout_s=CLIENT_TIMEOUT),
+    }
+    dataset = trl_task_dataset("tiny", **TINY).filter(lambda row: row["task_id"] == 9)
+    dataset = dataset.select([0, 0]).add_column("environment", ["up", "down"])
+    trainer = Recording(model=model, processing_class=tokenizer, train_dataset=dataset, environment_factory=factories,
+                        args=bipace_args(tmp_path))
+    trainer.recorded = []
+    trainer.train()
+    trainer.close_envs()
+    rollout, _ = trainer.recorded[0]
+    by_side = {side: [e for e in rollout.episodes if e.attributes.get("environment") == side] for side in factories}
+    unreachable = [e for e in by_side["down"] if e.failed and f"unreachable: reset at {down}" in e.failure]
+    assert unreachable  # counted at the first tool call after the failed reset
+    assert not any(e.failed and server.url in e.failure for e in by_side["up"])
+    assert any(e.length > 0 and not e.failed for e in by_side["up"])
+    assert max(entry.get("env/failures", 0) for entry in trainer.state.log_history) >= len(unreachable)
