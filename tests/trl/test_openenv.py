@@ -233,7 +233,7 @@ def test_bipace_trainer_counts_an_unreachable_server_and_plays_the_reachable_one
         "up": openenv_trl_environment(server.url, timeout_s=10),
         "down": openenv_trl_environment(down, connect_timeout_s=CLIENT_TIMEOUT),
     }
-    dataset = trl_task_dataset("tiny", **TINY).filter(lambda row: row["task_id"] == 9)
+    dataset = trl_task_dataset("tiny", **TINY).filter(lambda row: row["task_id"] == 2)
     dataset = dataset.select([0] * 6).add_column("environment", ["up", "down"] * 3)  # no shuffle: "up", "down" first
     trainer = Recording(model=model, processing_class=tokenizer, train_dataset=dataset, environment_factory=factories,
                         args=bipace_args(tmp_path))
