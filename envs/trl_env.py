@@ -29,12 +29,14 @@ How one of our `TextEnv` steps maps onto it:
   step credit (GiGPO's anchor, `BiPACETrainer`'s hash partition) groups on it. The env's
   own anchor (the observation without action feedback) is the attribute `anchor`.
 - A call after the episode ended changes nothing and says so (not an exception: a trainer
-  that counts a raising tool as an env failure would turn a won episode into a failed one).
+  that counts a raising tool as an env failure would turn a won episode into a failed one);
+  after a failed episode it raises `EnvironmentFailure` again.
 - An env that fails (raises, hangs past `step_timeout`, returns garbage) is handled by
   `envs.vector.VectorEnv`'s failure contract: the episode ends, `failure` holds the reason,
   and the failed `act` raises `EnvironmentFailure` so the trainer sees a failed tool call.
   `reset` never raises for a failing env (TRL calls it outside any guard, and a failing env
-  must not end a training run); it returns the failure text and the episode is over.
+  must not end a training run); it returns the failure text, the episode is over, and the
+  next `act` raises `EnvironmentFailure`.
 - `get_reward()` is the episode return: the sum of the env's step rewards (SPEC section 2's
   `R^ep`; 1.0 for a won TextCraft or ALFWorld task, WebShop's score).
 
@@ -158,11 +160,14 @@ class TRLEnvironment:
             The environment's observation after the command, then the admissible actions or,
             once the episode is over, a line saying so.
         """
+        if self.done and self.failure:
+            # Raised again: a reset that failed could not raise (TRL calls reset unguarded), so this
+            # is where a trainer that counts raising tools as env failures (BiPACETrainer) sees it.
+            raise EnvironmentFailure(f"The environment failed ({self.failure}); this episode is over.")
         if self.done:
-            # Said, not raised: an extra call after a won episode is the model's mistake, not an
-            # env failure (a trainer that counts raising tools as failed episodes would undo the win).
-            reason = f" ({self.failure})" if self.failure else ""
-            return f"{EPISODE_OVER}{reason}; nothing was done. Reply without calling a tool."
+            # Said, not raised: an extra call after a finished episode is the model's mistake, not an
+            # env failure (a trainer that counts raising tools as failed episodes would undo a win).
+            return f"{EPISODE_OVER}; nothing was done. Reply without calling a tool."
         result = self._step(str(command))
         self.steps += 1
         text = self._take(result)

@@ -103,7 +103,8 @@ def test_a_refused_connection_fails_the_episode_at_reset():
     text = bounded(lambda: tool.reset(task_id=HEALTHY))
     assert isinstance(text, str) and "The environment failed" in text
     assert tool.failure.startswith("unreachable") and tool.done
-    assert "unreachable" in tool.act("right")
+    with pytest.raises(EnvironmentFailure, match="unreachable"):
+        tool.act("right")
 
 
 def test_a_server_killed_mid_episode_fails_its_open_episodes_and_later_resets():
@@ -218,3 +219,38 @@ def test_bipace_trainer_survives_a_misbehaving_server(server, tool_policy, tmp_p
         assert f"({kinds[episode.task_id]}: step at {server.url}" in episode.failure
     logged = max(entry.get("env/failures", 0) for entry in trainer.state.log_history)
     assert logged >= len(by_server)
+
+
+def test_bipace_trainer_plays_a_reachable_server_beside_an_unreachable_one(server, tool_policy, tmp_path):
+    """A dict factory: rows of "up" play the live server (a task it does not fault), rows of "down" a port
+    nobody listens on. The run trains; "down" episodes score 0, and those whose model called `act` after the
+    failed reset failed as "unreachable", counted in env/failures. (A "down" episode whose model answers at
+    once, as the reset text asks, is not counted: BiPACETrainer's tool path counts raising tools only.)"""
+    from envs import trl_task_dataset
+    from tests.trainer.test_trl_environment import Recording
+    from tests.trl.test_bipace_trainer import bipace_args
+
+    model, tokenizer = tool_policy
+    down = refused_url()
+    factories = {
+        "up": openenv_trl_environment(server.url, timeout_s=10),
+        "down": openenv_trl_environment(down, connect_timeout_s=CLIENT_TIMEOUT),
+    }
+    healthy = 5  # cell 1 to 3; not one of the shared server's faulty tasks
+    dataset = trl_task_dataset("tiny", **TINY).filter(lambda row: row["task_id"] == healthy)
+    dataset = dataset.select([0] * 6).add_column("environment", ["up", "down"] * 3)  # no shuffle: "up", "down" first
+    trainer = Recording(model=model, processing_class=tokenizer, train_dataset=dataset, environment_factory=factories,
+                        args=bipace_args(tmp_path))
+    trainer.recorded = []
+    trainer.train()
+    trainer.close_envs()
+    assert trainer.state.global_step == 1
+    rollout, _ = trainer.recorded[0]
+    by_side = {side: [e for e in rollout.episodes if e.attributes.get("environment") == side] for side in factories}
+    assert len(by_side["up"]) == len(by_side["down"]) == 8
+    assert not any(e.failed and server.url in e.failure for e in by_side["up"])
+    assert all(e.reward == 0.0 and not e.won for e in by_side["down"])
+    failed_down = [e for e in by_side["down"] if e.failed]
+    assert all(f"unreachable: reset at {down}" in e.failure for e in failed_down)
+    logged = max(entry.get("env/failures", 0) for entry in trainer.state.log_history)
+    assert logged >= len(failed_down)

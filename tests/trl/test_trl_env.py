@@ -150,11 +150,15 @@ def test_an_engine_that_raises_ends_its_episode_with_a_clear_failure():
     tool = Faulty()
     assert "failed" in tool.reset(task_id=1)  # the engine raises in reset: no exception reaches TRL
     assert tool.done and "engine crashed during reset" in tool.failure and tool.get_reward() == 0.0
+    with pytest.raises(EnvironmentFailure, match="engine crashed during reset"):  # the next call says it
+        tool.act("right")
+    assert tool.steps == 0
     tool.reset(task_id=2)
     with pytest.raises(EnvironmentFailure, match="engine crashed during step"):
         tool.act("right")
     assert tool.done and tool.failure.startswith("exception") and tool.get_reward() == 0.0
-    assert "engine crashed during step" in tool.act("right")  # after the failure: said, not raised again
+    with pytest.raises(EnvironmentFailure, match="engine crashed during step"):  # raised again, not stepped
+        tool.act("right")
     tool.reset(task_id=0)  # the engine is rebuilt: the next episode is healthy
     assert tool.failure is None and not tool.done
     tool.act("right")

@@ -84,7 +84,7 @@ def make_tool_tokenizer():
     return tokenizer
 
 
-def warm_start(tokenizer, output_dir: str, *, max_steps: int = 40, seed: int = 0):
+def warm_start(tokenizer, output_dir: str, *, max_steps: int = 80, seed: int = 0):
     """The tiny Qwen2, SFT-ed on tool-calling turns of the tiny env (module docstring); returns the model."""
     from trl import SFTConfig, SFTTrainer
 
