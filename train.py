@@ -318,7 +318,7 @@ def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
     try:
         trainer.save_state()
         path = write_report(trainer.args.output_dir, log_history=trainer.state.log_history,
-                            eval_history=trainer.eval_history, title=title, report_key=trainer.env_class.report_key)
+                            eval_history=trainer.eval_history, title=title, report_key=trainer.collector.source.report_key)
     except Exception as err:  # noqa: BLE001 - a page must not cost a finished run its summary
         print(f"warning: the report could not be written ({type(err).__name__}: {err}); "
               f"`bipace-report {trainer.args.output_dir}` retries it.")

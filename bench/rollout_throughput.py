@@ -14,7 +14,7 @@ side by side in one run for each number B of parallel envs:
 
 - lockstep: `rollout.run_rollouts` over B envs. Every turn builds the prompts of the
   active envs, makes one batched generate call through TRL's generation path
-  (`BiPACETrainer._generate_turn`) and one `VectorEnv.step`.
+  (`RolloutCollector.generate_turn`) and one `VectorEnv.step`.
 - TRL single-turn: `GRPOTrainer._generate_single_turn` on the B first-turn prompts, once
   per turn of the budget: what TRL's GRPO generates for a batch of B with no env in the
   loop, the ceiling of the lockstep rollout at batch B.
@@ -164,7 +164,7 @@ def lockstep(trainer, tasks) -> dict:
     envs = VectorEnv(trainer.args.env_name, len(tasks), backend="serial")
     try:
         start = time.perf_counter()
-        rollout = run_rollouts(envs, tasks, trainer._generate_turn, trainer.rollout_settings)
+        rollout = run_rollouts(envs, tasks, trainer.collector.generate_turn, trainer.collector.settings)
         seconds = time.perf_counter() - start
     finally:
         envs.close()

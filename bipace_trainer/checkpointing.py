@@ -130,10 +130,11 @@ def _write_run_state(trainer: BiPACETrainer, directory: Path) -> None:
         state["run_id"] = run_files.run_id(trainer.args.output_dir)
         state["config"] = run_files.run_config(trainer.args, getattr(trainer.model.config, "_name_or_path", "") or "")
         (directory / STATE_FILE).write_text(json.dumps(state))
-    if "train" in trainer._vector_envs:
+    counters = trainer.collector.env_counters("train")
+    if counters is not None:
         path = directory / ENV_COUNTERS_FILE.format(rank=rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(trainer._vector_envs["train"].counters()))
+        path.write_text(json.dumps(counters))
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations
     if trainer._step % generate_every and trainer._buffered_inputs is not None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -152,7 +153,7 @@ def load_run_state(trainer: BiPACETrainer, checkpoint: str | None) -> None:
         trainer.eval_history = state.get("eval_history", [])
     counters_path = checkpoint / ENV_COUNTERS_FILE.format(rank=rank)
     if counters_path.exists():  # added to the train VectorEnv when the trainer builds it
-        trainer._resumed_env_counters = json.loads(counters_path.read_text())
+        trainer.collector.resumed_env_counters = json.loads(counters_path.read_text())
     buffer_path = checkpoint / BUFFER_FILE.format(rank=rank)
     if buffer_path.exists():  # saved mid-generation
         buffer = torch.load(buffer_path, map_location=trainer.accelerator.device, weights_only=False)

@@ -36,6 +36,7 @@ def printing_only():
         _PRINTING_ONLY = saved
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
+DEFAULT_ENV = "textcraft"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
 _HGPO = "https://arxiv.org/abs/2602.22817"
 
@@ -153,6 +154,8 @@ class BiPACEConfig(GRPOConfig):
     > Parameters that control the multi-turn rollout
 
     env_name (`str`, `"textcraft"`; flag `--env`): registered env name or `package.module:Class`.
+        Left unset it is `"textcraft"`, checked only when a trainer plays it: a `BiPACETrainer`
+        given TRL's `environment_factory` or `tools` plays those instead (`tool_envs`).
     env_kwargs (`dict` or JSON `str`): keyword arguments of the env constructor.
     max_turns (`int`, 15): turn budget per episode; a trajectory that hits it is truncated.
     history_length (`int`, 2): observation/action pairs of history in each prompt.
@@ -281,9 +284,13 @@ class BiPACEConfig(GRPOConfig):
     )
 
     # Rollout
-    env_name: str = field(
-        default="textcraft",
-        metadata={"help": "Registered env name or 'package.module:Class' (flag: --env).", "aliases": ["--env"]},
+    env_name: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Registered env name or 'package.module:Class' (flag: --env); None: {DEFAULT_ENV!r}, "
+            "checked only when used (a trainer given TRL's environment_factory or tools does not use it).",
+            "aliases": ["--env"],
+        },
     )
     env_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Env constructor kwargs: a dict, or a JSON string such as '{\"size\": 4}'."}
@@ -331,7 +338,15 @@ class BiPACEConfig(GRPOConfig):
             # TRL's convention: `--resume_from_checkpoint true` resumes from the latest checkpoint in output_dir.
             self.resume_from_checkpoint = True if self.resume_from_checkpoint.lower() == "true" else None
         self._check_rollout_fields()
-        self._check_env()
+        self._env_error: Exception | None = None
+        if self.env_name is not None:
+            self._check_env()
+        else:  # the default env: its errors wait until a trainer needs it (TRL's envs do not, `require_env`)
+            self.env_name = DEFAULT_ENV
+            try:
+                self._check_env()
+            except (ValueError, EnvUnavailableError) as err:
+                self._env_error = err
         self.estimator = self._resolve_estimator()
         if self.estimator.has_step_term and self.estimator.context_levels > self.history_length:
             # HGPO's levels exist to compare steps whose prompts agree; past the history the prompt
@@ -421,6 +436,11 @@ class BiPACEConfig(GRPOConfig):
         for ok, name, message in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {message}.")
+
+    def require_env(self) -> None:
+        """Raise what checking the default `env_name` found, for a trainer that plays it."""
+        if self._env_error is not None:
+            raise self._env_error
 
     def _check_env(self) -> None:
         """The env exists, its optional dependencies are installed and the splits are real:

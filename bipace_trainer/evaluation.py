@@ -3,9 +3,9 @@
     result = trainer.evaluate_policy()              # on `eval_split`, logged and kept in eval_history
     result = trainer.evaluate_policy(split="test")  # another split, same tasks per split every time
 
-Every rank plays its share of the split's tasks (`eval_task_refs`: `eval_tasks` of them,
-stratified over task types, each `eval_rollouts_per_task` times) at `eval_temperature`,
-through the trainer's own generation path. The result (success rate overall and per
+Every rank plays its share of the split's tasks (`RolloutCollector.eval_task_refs`:
+`eval_tasks` of them, stratified over task types, each `eval_rollouts_per_task` times) at
+`eval_temperature`, through the trainer's rollout collector (its public interface only). The result (success rate overall and per
 `report_key` value, episode length, valid-action rate, the env's score if it reports one)
 is logged, appended to `trainer.eval_history` and, by the main process, written to
 `<output_dir>/eval_results.json`. `EvaluationCallback` runs it before training and every
@@ -23,16 +23,13 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
-from envs.base import stratified_subset
-
-from .rollout import Episode, TaskRef
+from .rollout import Episode
 
 if TYPE_CHECKING:
     from .trainer import BiPACETrainer
 
 __all__ = [
     "EVAL_FILE",
-    "eval_task_refs",
     "evaluate_policy",
     "summarise_evaluation",
     "EvaluationCallback",
@@ -40,15 +37,6 @@ __all__ = [
 ]
 
 EVAL_FILE = "eval_results.json"
-
-
-def eval_task_refs(env_class, split: str, args) -> list[TaskRef]:
-    """The rollouts of one evaluation of `split`: `args.eval_tasks` tasks (stratified over
-    the env's `report_key`; 0 = all), each `args.eval_rollouts_per_task` times, one group per task."""
-    specs = env_class.tasks(split, **args.env_kwargs)
-    specs = stratified_subset(specs, args.eval_tasks, env_class.report_key, "eval_tasks")
-    repeats = args.eval_rollouts_per_task
-    return [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, spec in enumerate(specs) for _ in range(repeats)]
 
 
 def episode_record(episode: Episode, reports_score: bool) -> dict[str, Any]:
@@ -92,21 +80,24 @@ def evaluate_policy(trainer: BiPACETrainer, tag: str, split: str) -> dict[str, A
     """
     args, accelerator = trainer.args, trainer.accelerator
     world, rank = accelerator.num_processes, accelerator.process_index
+    collector = trainer.collector
     # through the trainer's method, so that a subclass can play other tasks (bipace-eval's panels)
-    shard = trainer.eval_task_refs(split)[rank::world]
+    tasks = trainer.eval_task_refs(split)
+    if not tasks:  # TRL's envs without an eval_dataset: nothing to evaluate on
+        return {}
+    shard = tasks[rank::world]
     was_training = trainer.model.training
     trainer.model.eval()
     start = time.perf_counter()
     try:
-        with trainer._sampling_temperature(args.eval_temperature):
-            rollout = trainer._rollout("eval", shard, traj_offset=rank * len(shard))
+        with collector.sampling_temperature(args.eval_temperature):
+            rollout = collector.collect("eval", shard, traj_offset=rank * -(-len(tasks) // world))  # ids unique across ranks
     finally:
         trainer.model.train(was_training)
-    reports_score = getattr(trainer.env_class, "reports_score", False)
-    records = [episode_record(e, reports_score) for e in rollout.episodes[: len(shard)]]
-    trainer._record_trajectories(rollout, tag=tag)
+    records = [episode_record(e, collector.source.reports_score) for e in rollout.episodes[: len(shard)]]
+    collector.record(rollout, tag=tag)
     records = gather_object(records) if world > 1 else records
-    result = summarise_evaluation(records, trainer.env_class.report_key)
+    result = summarise_evaluation(records, collector.source.report_key)
     result.update(step=trainer.state.global_step, tag=tag, split=split, seconds=time.perf_counter() - start)
     trainer.eval_history.append(result)
     logs = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k not in ("step",)}

@@ -135,7 +135,7 @@ def _evaluation(trainer: BiPACETrainer) -> list[str]:
         f"(temperature {args.eval_temperature}): **{final['success_rate']:.3f}**"
         + (f" (before training: {before['success_rate']:.3f})" if before else ""),
         "",
-        f"| {table_cell(trainer.env_class.report_key or 'tasks')} | success after training | before training |",
+        f"| {table_cell(trainer.collector.source.report_key or 'tasks')} | success after training | before training |",
         "|---|---|---|",
         f"| all | {final['success_rate']:.3f} | {before['success_rate']:.3f} |" if before
         else f"| all | {final['success_rate']:.3f} | – |",
@@ -167,17 +167,18 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
     url = project_url()
     project = f"[{PROJECT}]({url})" if url else f"{PROJECT} (`pip install {PROJECT}`)"
     recipe = getattr(trainer, "recipe", None)
+    env = trainer.collector.source.name
     trackers = tracker_links(args.report_to) if trackers is None else trackers
     lines = [
         "---",
         *([f"base_model: {hub_id}"] if hub_id else []),
         "library_name: peft" if peft else "library_name: transformers",
-        "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + args.env_name + ", " + args.preset + "]",
+        "tags: [trl, bipace, multi-turn-agent, reinforcement-learning, " + env + ", " + args.preset + "]",
         "---",
         CARD_MARKER,
         f"# {model_name}",
         "",
-        f"An agent for the **{args.env_name}** text environment, trained with step-level RL by "
+        f"An agent for the **{env}** text environment, trained with step-level RL by "
         f"{project} (preset **{args.preset}**) from base model `{base}`.",
         "",
         "## Training",

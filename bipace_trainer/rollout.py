@@ -5,13 +5,17 @@
     rollout.episodes     # one Episode per (task, rollout)
     rollout.step_batch() # the estimator's input
 
-Every turn, the prompts of all still-active envs are built (task, last
-`history_length` observation/action pairs, current observation, admissible
-actions), generated in batches by `generate`, parsed, and sent to the envs in one
-`VectorEnv.step`. An episode ends when its env says done, when the env fails (the
-episode counts as failed), or at `max_turns` (truncated: neither success nor an env
-end). A malformed reply is an invalid step, penalised later; the env receives its
-harmless `invalid_action` instead.
+Every turn, the prompts of all still-active envs are built, generated in batches by
+`generate`, parsed into actions, and sent to the envs in one `VectorEnv.step`. What a
+prompt is and how a reply becomes an action belong to the kind of environment, an
+`EnvAdapter`: `TextEnvAdapter` (our `TextEnv`s: task, last `history_length`
+observation/action pairs, current observation, admissible actions; a `<action>` reply)
+is the default, `tool_envs.ToolEnvAdapter` plays TRL's `environment_factory` envs
+(a chat with tools; a reply's tool calls). The loop is the same for every kind. An
+episode ends when its env says done, when the env fails (the episode counts as
+failed), or at `max_turns` (truncated: neither success nor an env end). A malformed
+reply is an invalid step, penalised later; a text env receives its harmless
+`invalid_action` instead.
 
 Distributed training needs every rank to make the same generate calls (ZeRO-3 gathers
 parameters collectively inside each call). `sync` carries that: the loop runs while
@@ -25,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -43,6 +47,9 @@ __all__ = [
     "RolloutSettings",
     "TaskRef",
     "LocalSync",
+    "Action",
+    "EnvAdapter",
+    "TextEnvAdapter",
     "run_rollouts",
 ]
 
@@ -66,7 +73,10 @@ class Generation:
 
 
 class Generator(Protocol):
-    def __call__(self, messages: list[list[dict[str, str]]]) -> Generation: ...
+    """Maps chat prompts to a `Generation`; `environments` (one per prompt, given only by an
+    adapter with `uses_tools`) names whose tool schema each prompt is rendered with."""
+
+    def __call__(self, messages: list[list[dict[str, Any]]], environments: list[Hashable] | None = None) -> Generation: ...
 
 
 class LocalSync:
@@ -81,11 +91,13 @@ class LocalSync:
 
 @dataclass(frozen=True)
 class TaskRef:
-    """One rollout to run: env task id, its task group, and attributes for reporting."""
+    """One rollout to run: env task id, its task group, and attributes for reporting.
+    `inputs` is the dataset row the task came from, for envs that reset from a row (TRL's)."""
 
     task_id: int
     group: int
     attributes: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -186,6 +198,91 @@ class Rollout:
         return out
 
 
+class Action(NamedTuple):
+    """A reply made into an env action: what the env receives (`command`; None: the
+    episode ends here without an env call), whether the reply was well formed, the
+    key PACE groups actions by, and the adapter's own parse (`parsed`)."""
+
+    command: str | None
+    valid: bool
+    key: Any
+    parsed: Any = None
+
+
+class EnvAdapter:
+    """One kind of environment as `run_rollouts` plays it: what the prompt of env i is,
+    how a reply becomes an action, and how the envs are stepped.
+
+    `start` resets the envs for `tasks` and returns the first results (a `StepResult`
+    whose `info` has "env_failure" fails that episode); `messages(i, turn)` is env i's
+    chat prompt; `act` parses env i's reply; `step` sends the actions (None: inactive)
+    and returns the results, updating the adapter's own per-episode state (history, a
+    chat); `finish` may add end-of-episode rewards once every episode is over. A result
+    whose `info` holds "truncated" ends its episode as cut by a budget, not by the env.
+    The trainer-side part of a kind (its tasks, its `VectorEnv`) is in `collector.py`.
+    """
+
+    uses_tools = False  # prompts are rendered with the tool schema of `environment(i)`
+
+    def start(self, envs, tasks: Sequence[TaskRef]) -> list[StepResult | None]:
+        raise NotImplementedError
+
+    def messages(self, i: int, turn: int) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def environment(self, i: int) -> Hashable:
+        return None
+
+    def act(self, i: int, text: str, prompt_ids: list[int], completion_ids: list[int]) -> Action:
+        raise NotImplementedError
+
+    def step(self, envs, actions: list[Action | None]) -> list[StepResult | None]:
+        raise NotImplementedError
+
+    def finish(self, envs, rollout: "Rollout") -> None:
+        """Called once, after the last turn; the default adds nothing."""
+
+
+class TextEnvAdapter(EnvAdapter):
+    """Our `TextEnv`s: a GiGPO-format prompt (`prompting.build_messages`) and an
+    `<action>` reply (`actions.parse_reply`); a malformed one sends `invalid_action`."""
+
+    def __init__(self, settings: RolloutSettings):
+        self.settings = settings
+
+    def start(self, envs, tasks):
+        self.current = envs.reset([task.task_id for task in tasks]) if tasks else []
+        self.task_text = [(r.info or {}).get("task", "") if r is not None else "" for r in self.current]
+        self.history: list[list[tuple[str, str]]] = [[] for _ in tasks]
+        return self.current
+
+    def messages(self, i, turn):
+        settings, current = self.settings, self.current[i]
+        return build_messages(
+            settings.instruction,
+            self.task_text[i],
+            self.history[i],
+            current.observation,
+            current.admissible_actions,
+            step_index=turn,
+            history_length=settings.history_length,
+        )
+
+    def act(self, i, text, prompt_ids, completion_ids):
+        settings = self.settings
+        reply = parse_reply(text, require_think=settings.require_think)
+        key = token_prefix_key(completion_ids, settings.action_key_tokens) if settings.action_key_tokens else reply.key
+        return Action(action_for_env(reply, settings.invalid_action), reply.valid, key, reply)
+
+    def step(self, envs, actions):
+        results = envs.step([a.command if a is not None else None for a in actions]) if any(actions) else [None] * len(actions)
+        for i, (action, result) in enumerate(zip(actions, results)):
+            if action is not None and not _is_failure(result):
+                self.history[i].append((self.current[i].observation, action.command))
+                self.current[i] = result
+        return results
+
+
 def _is_failure(result: StepResult | None) -> bool:
     return result is None or "env_failure" in (result.info or {})
 
@@ -193,36 +290,37 @@ def _is_failure(result: StepResult | None) -> bool:
 def run_rollouts(
     envs,
     tasks: Sequence[TaskRef],
-    generate: Generator | Callable[[list], Generation],
+    generate: Generator | Callable[..., Generation],
     settings: RolloutSettings,
     *,
     sync: LocalSync | None = None,
     traj_offset: int = 0,
     on_turn: Callable[[int, int], None] | None = None,
+    adapter: EnvAdapter | None = None,
 ) -> Rollout:
     """Play `tasks[i]` in env i of `envs` (a `VectorEnv` with len(tasks) envs) in lockstep.
 
     Args:
         envs: a `VectorEnv` (or anything with the same reset/step contract).
         tasks: one `TaskRef` per env; rollouts of one task share its `group`.
-        generate: maps a list of chat messages to a `Generation`.
+        generate: maps a list of chat messages to a `Generation` (`Generator`).
         settings: turn budget, history window, parsing options.
         sync: cross-rank reductions (`LocalSync` for one process).
         traj_offset: first trajectory id (keeps ids unique across calls or ranks).
         on_turn: called after every turn with (turn, envs still playing), e.g. to show progress.
+        adapter: the kind of environment (`EnvAdapter`); default `TextEnvAdapter(settings)`.
     """
     sync = sync or LocalSync()
+    adapter = adapter or TextEnvAdapter(settings)
     rollout_start = time.perf_counter()
     seconds = {"generate": 0.0, "env": 0.0, "hidden": 0.0}
     n = len(tasks)
     episodes = [Episode(traj_offset + i, task.group, task.task_id, dict(task.attributes)) for i, task in enumerate(tasks)]
     start = time.perf_counter()
-    current = envs.reset([task.task_id for task in tasks]) if n else []
+    current = list(adapter.start(envs if n else None, tasks))
     seconds["env"] += time.perf_counter() - start
-    task_text = [(r.info or {}).get("task", "") if r is not None else "" for r in current]
-    for episode, text in zip(episodes, task_text):
-        episode.task = text
-    history: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+    for episode, result in zip(episodes, current):
+        episode.task = (result.info or {}).get("task", "") if result is not None else ""
     done = [False] * n
     for i, result in enumerate(current):
         if _is_failure(result):  # zero-length episode
@@ -238,24 +336,18 @@ def run_rollouts(
         active = [i for i in range(n) if not done[i]]
         if not sync.any(bool(active)):
             break
-        messages = [
-            build_messages(
-                settings.instruction,
-                task_text[i],
-                history[i],
-                current[i].observation,
-                current[i].admissible_actions,
-                step_index=turn,
-                history_length=settings.history_length,
-            )
-            for i in active
-        ]
+        messages = [adapter.messages(i, turn) for i in active]
+        environments = [adapter.environment(i) for i in active]
         chunk = settings.rollout_batch_size or max(len(active), 1)
         num_calls = sync.max(math.ceil(len(active) / chunk))
         outputs: list[Generation] = []
         start = time.perf_counter()
         for c in range(num_calls):
-            outputs.append(generate(messages[c * chunk : (c + 1) * chunk]))
+            batch = messages[c * chunk : (c + 1) * chunk]
+            if adapter.uses_tools:
+                outputs.append(generate(batch, environments=environments[c * chunk : (c + 1) * chunk]))
+            else:
+                outputs.append(generate(batch))
         hidden_seconds = sum(out.hidden_seconds for out in outputs)
         seconds["generate"] += time.perf_counter() - start - hidden_seconds
         seconds["hidden"] += hidden_seconds
@@ -267,21 +359,17 @@ def run_rollouts(
         hidden = torch.cat(hidden_rows) if hidden_rows else None
         logprobs = [lp for out in outputs for lp in out.logprobs] if all(out.logprobs is not None for out in outputs) else None
 
-        actions: list[str | None] = [None] * n
-        parsed = {}
+        actions: list[Action | None] = [None] * n
         for j, i in enumerate(active):
-            reply = parse_reply(texts[j], require_think=settings.require_think)
-            parsed[i] = reply
-            actions[i] = action_for_env(reply, settings.invalid_action)
+            actions[i] = adapter.act(i, texts[j], prompt_ids[j], completion_ids[j])
         start = time.perf_counter()
-        results = envs.step(actions) if active else [None] * n
+        results = adapter.step(envs, actions) if active else [None] * n
         seconds["env"] += time.perf_counter() - start
 
         for j, i in enumerate(active):
-            result, reply, episode = results[i], parsed[i], episodes[i]
+            result, action, episode = results[i], actions[i], episodes[i]
             failed = _is_failure(result)
             reward = 0.0 if failed else float(result.reward)
-            key = token_prefix_key(completion_ids[j], settings.action_key_tokens) if settings.action_key_tokens else reply.key
             steps.append(
                 StepRecord(
                     group=tasks[i].group,
@@ -290,9 +378,9 @@ def run_rollouts(
                     prompt_ids=prompt_ids[j],
                     completion_ids=completion_ids[j],
                     reply=texts[j],
-                    action=actions[i],
-                    valid=reply.valid,
-                    action_key=key,
+                    action=action.command if action.command is not None else "",
+                    valid=action.valid,
+                    action_key=action.key,
                     anchor=current[i].anchor,
                     observation=current[i].observation,
                     reward=reward,
@@ -302,7 +390,7 @@ def run_rollouts(
             )
             episode.length += 1
             episode.reward += reward
-            episode.invalid_steps += not reply.valid
+            episode.invalid_steps += not action.valid
             if failed:
                 done[i] = episode.failed = True
                 episode.failure = (result.info or {}).get("env_failure", "") if result else "no result"
@@ -310,7 +398,7 @@ def run_rollouts(
             episode.won = episode.won or result.won
             if "score" in (result.info or {}):
                 episode.score = float(result.info["score"])
-            history[i].append((current[i].observation, actions[i]))
+            episode.truncated = "truncated" in (result.info or {})
             current[i] = result
             done[i] = result.done
         if on_turn is not None:
@@ -319,4 +407,10 @@ def run_rollouts(
         if not done[i]:
             episodes[i].truncated = True
     seconds["rollout"] = time.perf_counter() - rollout_start
-    return Rollout(steps=steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls)
+    rollout = Rollout(steps=steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls)
+    if n:
+        start = time.perf_counter()
+        adapter.finish(envs, rollout)
+        seconds["env"] += time.perf_counter() - start
+        seconds["rollout"] = time.perf_counter() - rollout_start
+    return rollout

@@ -1,9 +1,10 @@
 """Text environments behind one interface (`envs.base`), and the registry.
 
 `make_env(name, **kwargs)` builds one; `VectorEnv` runs many with timeouts and
-failure capture. Engines with heavy optional dependencies are registered lazily:
-their module is imported the first time their name is asked for, so `import envs`
-never needs them.
+failure capture; `as_trl_environment(name)` and `trl_task_dataset(name)` hand one to
+TRL's `GRPOTrainer(environment_factory=..., train_dataset=...)` (`envs.trl_env`).
+Engines with heavy optional dependencies are registered lazily: their module is
+imported the first time their name is asked for, so `import envs` never needs them.
 """
 
 from .base import (
@@ -18,6 +19,7 @@ from .base import (
     resolve_env_class,
 )
 from .tiny import TinyEnv
+from .trl_env import EnvironmentFailure, as_trl_environment, trl_task_dataset
 from .vector import VectorEnv
 
 register_env("textcraft", lazy_module="envs.textcraft")
@@ -27,14 +29,17 @@ register_env("webshop", lazy_module="envs.webshop")
 
 __all__ = [
     "EnvUnavailableError",
+    "EnvironmentFailure",
     "StepResult",
     "TaskSpec",
     "TextEnv",
     "TinyEnv",
     "VectorEnv",
+    "as_trl_environment",
     "make_env",
     "normalise_action",
     "register_env",
     "registered_envs",
     "resolve_env_class",
+    "trl_task_dataset",
 ]

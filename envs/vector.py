@@ -788,10 +788,15 @@ class VectorEnv:
 
     # ------------------------------------------------------------------ public API
 
-    def reset(self, task_ids: Sequence[int | None]) -> list[StepResult | None]:
-        """Reset env i to task_ids[i] (None: leave env i alone, get None back)."""
+    def reset(self, task_ids: Sequence[int | dict | None]) -> list[StepResult | None]:
+        """Reset env i to task_ids[i] (None: leave env i alone, get None back). A task may
+        also be a dict, passed to the env's reset as it is (a dataset row, for TRL's envs)."""
         self._check_length("task_ids", task_ids)
-        calls = {i: int(task_id) for i, task_id in enumerate(task_ids) if task_id is not None}
+        calls = {
+            i: task_id if isinstance(task_id, dict) else int(task_id)
+            for i, task_id in enumerate(task_ids)
+            if task_id is not None
+        }
         for i in calls:
             self._lost.pop(i, None)
         return self._run("reset", calls)
@@ -834,6 +839,11 @@ class VectorEnv:
         }
         out.update({f"env/failures/{kind}": float(count) for kind, count in self.failure_counts.items()})
         return out
+
+    def local_envs(self) -> list[TextEnv | None]:
+        """The env objects of an in-process backend ("serial", "thread"), None where one is
+        not built yet; [] when the envs live in worker processes."""
+        return [slot.env for slot in getattr(self._backend, "slots", [])]
 
     def close(self) -> None:
         """Close every env and stop every worker; safe to call twice."""

@@ -43,7 +43,7 @@ def test_the_readme_api_example_runs_as_written(tmp_path, monkeypatch, capsys):
     assert (out / "model.safetensors").exists() and (out / "eval_results.json").exists()
     card = (out / "README.md").read_text()
     assert "**textcraft**" in card and "preset **gigpo**" in card
-    assert trainer._vector_envs == {}  # close_envs() stopped and dropped every env
+    assert trainer.collector.envs == {}  # close_envs() stopped and dropped every env
 
 
 @pytest.mark.slow  # loads the embedded SmolLM2 (converted on first use, ~1 minute, once)

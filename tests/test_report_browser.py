@@ -80,7 +80,7 @@ def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_p
     finally:
         trainer.close_envs()
     trainer.save_state()
-    path = write_report(run, report_key=trainer.env_class.report_key)
+    path = write_report(run, report_key=trainer.collector.source.report_key)
     dumps = sorted((run / "rollouts").glob("*.jsonl"))
     expected = sum(len(p.read_text().splitlines()) for p in dumps)
     per_step = args.tasks_per_iteration * args.num_generations

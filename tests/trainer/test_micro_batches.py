@@ -13,7 +13,7 @@ from .tiny_setup import make_model, make_tokenizer, tiny_args
 
 
 def _batch(prompts, completions, pad=0, masked_rows=()):
-    """Left-padded prompts, right-padded completions, as `_training_samples` lays them out."""
+    """Left-padded prompts, right-padded completions, as `batching.training_batch` lays them out."""
     width_p = max(map(len, prompts))
     width_c = max(map(len, completions))
     prompt_ids = torch.tensor([[pad] * (width_p - len(p)) + p for p in prompts])

@@ -47,7 +47,7 @@ def test_a_batch_without_signal_is_played_again_and_the_new_one_trained(warm_pol
 def test_resampling_is_bounded_and_then_the_update_is_skipped(warm_policy, tmp_path):
     trainer, logs, changed = run(warm_policy, tmp_path, CONSTANT_ENV, {}, resample_without_signal=2)
     assert logs["train/resamples"] == 2.0 and logs["train/skipped_batches"] == 1.0
-    assert trainer._train_generations == 3  # the batch and two retries, then no more
+    assert trainer.collector.train_generations == 3  # the batch and two retries, then no more
     assert trainer.skipped_updates == [True] and not changed
 
 
@@ -55,7 +55,7 @@ def test_without_resampling_the_batch_is_skipped_at_once(warm_policy, tmp_path):
     SignalAfterResetsEnv.resets = 0
     trainer, logs, changed = run(warm_policy, tmp_path, SIGNAL_ENV, {"quiet_resets": 4})
     assert logs["train/skipped_batches"] == 1.0 and "train/resamples" not in logs
-    assert trainer._train_generations == 1 and not changed
+    assert trainer.collector.train_generations == 1 and not changed
 
 
 def test_redrawn_tasks_come_from_the_training_set_one_per_group_and_repeat_on_resume(warm_policy, tmp_path):

@@ -57,9 +57,15 @@ class EchoServer:
 
 
 class ServerModeTrainer(CapturingTrainer):
-    def _generate_turn(self, messages):
-        self.prompt_counts.append(len(messages))
-        return super()._generate_turn(messages)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        generate = self.collector.generate_turn
+
+        def counted(messages, environments=None):
+            self.prompt_counts.append(len(messages))
+            return generate(messages, environments)
+
+        self.collector.generate_turn = counted
 
 
 def main():
@@ -92,7 +98,7 @@ def main():
     if trainer.accelerator.is_main_process:
         generation.vllm_client = server
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, generation, -1
-    trainer._weight_syncs = WeightSyncs(generation)
+    trainer.collector.weight_syncs = WeightSyncs(generation)
     trainer.train()
     trainer.close_envs()
 
@@ -109,7 +115,7 @@ def main():
         "prompt_counts": trainer.prompt_counts,
         "server_prompts_per_call": server.prompts_per_call,
         "weight_pushes": server.weight_pushes,
-        "weight_syncs": trainer._weight_syncs.count,
+        "weight_syncs": trainer.collector.weight_syncs.count,
         "global_step": trainer.state.global_step,
         "is_ratio": [list(batch["importance_sampling_ratio"].shape) for _, _, batch in trainer.captured],
         "final_eval": trainer.eval_history[-1]["num_tasks"] if trainer.eval_history else None,

@@ -43,9 +43,15 @@ def main() -> None:
         training rollout, the hidden states of an extra forward pass to compare with the
         ones captured during the old-logprob pass."""
 
-        def _generate_turn(self, messages):
-            self.temperatures.append(("train" if self.model.training else "eval", self.vllm_generation.temperature))
-            return super()._generate_turn(messages)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            generate = self.collector.generate_turn
+
+            def recorded(messages, environments=None):
+                self.temperatures.append(("train" if self.model.training else "eval", self.vllm_generation.temperature))
+                return generate(messages, environments)
+
+            self.collector.generate_turn = recorded
 
         def on_rollout(self, rollout, advantages, diagnostics):
             super().on_rollout(rollout, advantages, diagnostics)

@@ -1,0 +1,155 @@
+"""A rollout's steps made into TRL's training batch: padded rows, old and reference log-probs, and
+TRL's vLLM importance-sampling correction.
+
+    batch, metrics = training_batch(trainer, rollout, sync, capture_hidden=...)
+
+One row per env step (prompt = that step's prompt, completion = its reply), rows padded to
+the same count on every rank; `advantages` is a zero placeholder until the estimator has
+run. Under vLLM with a `hidden` preset (`capture_hidden`), the hidden states at the last
+prompt token come from the old-logprob pass, which runs anyway (attention is causal, so
+they are the prefill's), and are put on the rollout's steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from trl.trainer.utils import pad
+
+from .hidden import PositionCapture
+from .rollout import Rollout
+from .vllm_backend import importance_sampling_metrics, importance_sampling_ratio
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
+__all__ = ["training_batch", "importance_sampling", "reference_logps"]
+
+
+def training_batch(
+    trainer: GRPOTrainer, rollout: Rollout, sync, capture_hidden: bool = False
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Pad the step samples into TRL's batch layout, with equal row counts on every rank.
+
+    Rows are padded to the largest count over ranks, rounded up to a multiple of
+    `steps_per_generation` (TRL splits the batch that many ways). Padding rows have
+    an empty completion mask and zero advantage: they add nothing to the loss.
+    `advantages` is a zero placeholder of the padded size until the estimator has run.
+    `sync` is the rollout's cross-rank reductions (`collector.CrossRankSync`).
+    Returns the batch and its metrics (padding, log-prob time, vLLM sampling metrics).
+    """
+    device = trainer.accelerator.device
+    steps = rollout.steps
+    count = len(steps)
+    chunks = trainer.args.steps_per_generation
+    target = sync.max(count)
+    target = max(chunks, math.ceil(target / chunks) * chunks)
+    padded_rows = target - count
+    pad_id = trainer._tokenizer.pad_token_id
+    prompts = [torch.tensor(s.prompt_ids) for s in steps] + [torch.tensor([pad_id])] * padded_rows
+    completions = [torch.tensor(s.completion_ids or [pad_id]) for s in steps] + [torch.tensor([pad_id])] * padded_rows
+    prompt_ids = pad(prompts, padding_value=pad_id, padding_side="left").to(device)
+    prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
+    completion_ids = pad(completions, padding_value=pad_id, padding_side="right").to(device)
+    completion_mask = pad(
+        [torch.ones(len(s.completion_ids), dtype=torch.long) for s in steps]
+        + [torch.zeros(1, dtype=torch.long)] * padded_rows,
+        padding_value=0,
+        padding_side="right",
+    ).to(device)
+    if completion_mask.shape[1] < completion_ids.shape[1]:  # every real completion was empty
+        completion_mask = torch.nn.functional.pad(completion_mask, (0, completion_ids.shape[1] - completion_mask.shape[1]))
+    if trainer.mask_truncated_completions and steps:
+        eos = set(trainer.eos_token_ids)
+        truncated = [not s.completion_ids or s.completion_ids[-1] not in eos for s in steps] + [False] * padded_rows
+        completion_mask = completion_mask * (~torch.tensor(truncated, device=device)).unsqueeze(1).long()
+
+    output = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.zeros(target, device=device),
+        "num_items_in_batch": trainer.accelerator.gather(completion_mask.sum()).sum(),
+    }
+    start = time.perf_counter()
+    logps, hidden = reference_logps(trainer, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden)
+    output.update(logps)
+    metrics = {"time/logps_s": time.perf_counter() - start, "episode/padded_rows": float(padded_rows)}
+    if hidden is not None:
+        for step, state in zip(steps, hidden):
+            step.hidden = state
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        output.update(importance_sampling(trainer, steps, output, completion_mask, metrics))
+    return output, metrics
+
+
+def importance_sampling(trainer: GRPOTrainer, steps, output, completion_mask, metrics) -> dict[str, torch.Tensor]:
+    """TRL's vLLM importance-sampling correction of the batch (`vllm_backend.importance_sampling_ratio`)."""
+    device = completion_mask.device
+    width = completion_mask.shape[1]
+    rows = [
+        [float("nan") if x is None else float(x) for x in (s.sampling_logprobs or [])] for s in steps
+    ]
+    rows += [[] for _ in range(completion_mask.shape[0] - len(steps))]
+    sampling = torch.zeros(completion_mask.shape, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        sampling[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+    sampling = sampling.to(device)
+    old = output["old_per_token_logps"]
+    ratio = importance_sampling_ratio(
+        old,
+        sampling,
+        completion_mask,
+        trainer.vllm_importance_sampling_mode,
+        trainer.vllm_importance_sampling_clip_min,
+        trainer.vllm_importance_sampling_clip_max,
+    )
+    local = importance_sampling_metrics(old, sampling, completion_mask, ratio)
+    reduce = {"mean": torch.mean, "max": torch.max, "min": torch.min}
+    for key, value in local.items():  # over ranks as TRL does: the ratio's statistics ignore NaN
+        gathered = trainer.accelerator.gather(value.reshape(1).float())
+        if key.startswith("sampling/importance_sampling_ratio"):
+            gathered = gathered[~torch.isnan(gathered)]
+        metrics[key] = float(reduce[key.rsplit("/", 1)[1]](gathered)) if gathered.numel() else math.nan
+    return {"importance_sampling_ratio": ratio, "sampling_per_token_logps": sampling}
+
+
+def reference_logps(
+    trainer: GRPOTrainer, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden: bool = False
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """old_per_token_logps / ref_per_token_logps exactly when TRL's loss needs them, and,
+    with `capture_hidden`, the hidden states at the last prompt token from the old pass."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits_to_keep = completion_ids.size(1)
+    batch_size = trainer.args.per_device_train_batch_size
+    out, hidden = {}, None
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    with torch.no_grad():
+        if trainer.args.gradient_accumulation_steps % generate_every != 0 or trainer.use_vllm:
+            policy = trainer.accelerator.unwrap_model(trainer.model)
+            capture = (
+                PositionCapture(policy, trainer.args.cluster_layer, position=prompt_ids.size(1) - 1)
+                if capture_hidden
+                else contextlib.nullcontext()
+            )
+            with capture:
+                out["old_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                    trainer.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
+            hidden = capture.states if capture_hidden else None
+        if trainer.beta != 0.0:
+            if trainer.ref_model is not None:
+                ref_model, adapter = trainer.ref_model, contextlib.nullcontext()
+            else:  # LoRA: the base model with the adapter disabled is the reference
+                ref_model, adapter = trainer.model, trainer.accelerator.unwrap_model(trainer.model).disable_adapter()
+            with adapter:
+                out["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                    ref_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
+    return out, hidden

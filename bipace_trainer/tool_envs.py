@@ -1,0 +1,279 @@
+"""TRL's environments (`environment_factory`, `tools`, `reward_funcs`) played turn by turn.
+
+TRL 1.16's `GRPOTrainer(environment_factory=MyEnv, tools=[...], reward_funcs=[...])`
+plays one chat per rollout: the model calls the env's public methods as tools until it
+answers without a tool call, and the whole chat is one sample with one advantage.
+`BiPACETrainer` takes the same arguments and plays the same chat, with step credit:
+
+- each assistant turn is one env step and one training sample; its prompt is the chat so
+  far, rendered with the env's tool schema by TRL's own `_tokenize_prompts`;
+- the reply is parsed by TRL's `parse_response` (transformers' response parsing), and its
+  tool calls are run on the env; their results, as TRL's `tool` messages, are the next
+  observation, and their text (joined by newlines) is the step's anchor, the state of the
+  hash partition (exact match, like GiGPO's);
+- the episode ends when a reply has no tool call, at `max_turns`, or once
+  `max_tool_calling_iterations` rounds of tool calls have run (TRL's bound; the turn
+  that would exceed it ends the episode as truncated, its calls not run);
+- the episode reward sits on its last step: the env's `get_reward()` (weight 1, as TRL)
+  plus `reward_funcs` weighted by `reward_weights`, computed by TRL's own
+  `_calculate_rewards` over the whole chat (`completions` are the messages after the
+  prompt, `environments` the env instances); an episode with a positive reward counts as won;
+- a tool that raises, a tool call that names no tool or has arguments the tool does not
+  take, and a tool or `get_reward` that hangs past `env_step_timeout` end that episode as
+  failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on.
+
+Each rollout's env lives in a `ToolSession`, a `TextEnv` that a `VectorEnv` holds, so
+TRL's envs get the same failure contract, timeouts and counters as ours. Instances are
+built once per env slot and reset for every episode (TRL's "construct once, reset often").
+The `serial` and `thread` env backends keep them in this process, where `reward_funcs`
+see them as `environments`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from typing import Any, Callable, Hashable, Sequence
+
+from envs.base import StepResult, TextEnv
+
+from .rollout import Action, EnvAdapter, Rollout, TaskRef, _is_failure
+
+__all__ = ["ToolSession", "ToolEnvAdapter", "tool_methods", "SCORE"]
+
+SCORE = "__bipace_score__"  # the command that asks a session for its env's get_reward()
+
+
+def tool_methods(env: Any) -> list[Callable]:
+    """The env's tools as TRL exposes them: its public methods but `reset` and `get_reward`
+    (listed on the class, so properties are not evaluated)."""
+    if env is None:
+        return []
+    return [
+        getattr(env, name)
+        for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def _run(value: Any) -> Any:
+    """A tool's result; an async tool's coroutine is run to completion here."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def _text(content: Any) -> str:
+    """An observation as text: a string, or the text parts of TRL's multimodal content list."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)
+
+
+class ToolSession(TextEnv):
+    """One rollout slot: TRL env instances (one per environment name, built on first use)
+    and the standalone tools, behind the `TextEnv` reset/step contract.
+
+    `reset(row)` picks the env by the row's "environment" (a dict factory) and returns
+    `env.reset(**row)` as the observation; `step(command)` takes the JSON list of a
+    reply's tool calls (`{"name", "arguments"}`) and returns their results, or, for
+    `SCORE`, the env's `get_reward()` as the reward of a done result.
+    """
+
+    name = "trl_environment"
+
+    @classmethod
+    def tasks(cls, split: str = "train", **env_kwargs: Any) -> list:
+        return []  # TRL's envs take their tasks from the dataset's rows
+
+    def __init__(self, factories: dict[Hashable, Callable[[], Any]] | None, tools: Sequence[Callable] = (),
+                 multi_environment: bool = False):
+        self.factories = factories or {}
+        self.standalone = list(tools)
+        self.multi_environment = multi_environment
+        self.instances: dict[Hashable, Any] = {}
+        self.env: Any = None  # the current episode's instance
+        self.task = ""
+
+    def reset(self, row: dict[str, Any]) -> StepResult:
+        name = row.get("environment") if self.multi_environment else None
+        if self.factories:
+            if name not in self.instances:
+                self.instances[name] = self.factories[name]()
+            self.env = self.instances[name]
+            kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
+            observation = _text(self.env.reset(**kwargs))
+        else:
+            observation = ""
+        return StepResult(observation=observation, anchor=observation)
+
+    def step(self, command: str) -> StepResult:
+        if command == SCORE:
+            reward = getattr(self.env, "get_reward", None)
+            return StepResult(observation="", reward=float(_run(reward())) if reward else 0.0, done=True)
+        tools = {tool.__name__: tool for tool in self.standalone + tool_methods(self.env)}
+        messages = []
+        for call in json.loads(command):
+            name, arguments = call["name"], call["arguments"]
+            if name not in tools:
+                raise ValueError(f"the reply called tool {name!r}, which is not one of {sorted(tools)}")
+            if not isinstance(arguments, dict):
+                raise ValueError(f"the arguments of tool {name!r} are {type(arguments).__name__}, not an object")
+            result = _run(tools[name](**arguments))
+            messages.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
+        text = "\n".join(_text(m["content"]) for m in messages)
+        return StepResult(observation=text, anchor=text, info={"tool_messages": messages})
+
+    def close(self) -> None:
+        for env in self.instances.values():
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+        self.instances.clear()
+
+
+def _tool_calls(parsed: dict[str, Any]) -> list[dict[str, Any]]:
+    """A parsed reply's tool calls as {"name", "arguments"} (TRL nests them under "function")."""
+    calls = []
+    for call in parsed.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        calls.append({"name": function.get("name"), "arguments": function.get("arguments", {})})
+    return calls
+
+
+class ToolEnvAdapter(EnvAdapter):
+    """Plays TRL envs in a `run_rollouts` loop; see the module docstring.
+
+    Args:
+        trainer: the `GRPOTrainer` whose `__init__` set up the envs (`_env_tools`,
+            `_multi_environment`, `max_tool_calling_iterations`, `reward_funcs`...).
+        num_user_reward_funcs: how many of `trainer.reward_funcs` the user passed (TRL
+            appends one `get_reward` column per env class after them; those are played by
+            the sessions instead, inside the env failure contract).
+    """
+
+    uses_tools = True
+
+    def __init__(self, trainer, num_user_reward_funcs: int):
+        self.trainer = trainer
+        self.num_user_reward_funcs = num_user_reward_funcs
+
+    # -- per rollout
+    def start(self, envs, tasks: Sequence[TaskRef]):
+        self.tasks = list(tasks)
+        self.rows = [dict(task.inputs or {}) for task in tasks]
+        multi = self.trainer._multi_environment if self.trainer.environment_factories is not None else False
+        self.names = [row.get("environment") if multi else None for row in self.rows]
+        self.tool_rounds = [0] * len(tasks)
+        self.chats: list[list[dict[str, Any]]] = []
+        self.prompts: list[list[dict[str, Any]]] = []
+        results = envs.reset(self.rows) if tasks else []
+        for row, result in zip(self.rows, results):
+            prompt = list(row.get("prompt") or [{"role": "user", "content": ""}])
+            if result is not None and not _is_failure(result) and result.observation:
+                # TRL's rule: the observation of reset() is appended to the last prompt message
+                prompt = prompt[:-1] + [{**prompt[-1], "content": str(prompt[-1]["content"]) + result.observation}]
+            self.prompts.append(prompt)
+            self.chats.append(list(prompt))
+            if result is not None and not _is_failure(result):
+                result.info = {**result.info, "task": _text(prompt[-1]["content"])}
+                if not result.anchor:  # an env that owns no observation: the prompt is the state
+                    result.anchor = result.observation = _text(prompt[-1]["content"])
+        return results
+
+    def messages(self, i, turn):
+        return self.chats[i]
+
+    def environment(self, i):
+        return self.names[i]
+
+    def act(self, i, text, prompt_ids, completion_ids):
+        from trl.chat_template_utils import parse_response
+
+        tools = self.trainer._env_tools[self.names[i]] if self.trainer.environment_factories is not None else self.trainer.tools
+        parsed = parse_response(self.trainer._tokenizer, list(completion_ids), prefix=list(prompt_ids), tools=tools)
+        calls = _tool_calls(parsed)
+        if not calls:  # an answer: the episode ends here
+            return Action(None, True, "answer: " + " ".join(str(parsed.get("content", "")).lower().split()), parsed)
+        command = json.dumps(calls, sort_keys=True, default=str)
+        return Action(command, True, command, parsed)
+
+    def step(self, envs, actions):
+        commands: list[str | None] = [None] * len(actions)
+        local: dict[int, StepResult] = {}
+        for i, action in enumerate(actions):
+            if action is None:
+                continue
+            self.chats[i].append(action.parsed)
+            if action.command is None:
+                local[i] = StepResult(observation="", done=True)
+            elif self.tool_rounds[i] >= self.trainer.max_tool_calling_iterations:
+                local[i] = StepResult(observation="", done=True, info={"truncated": "max_tool_calling_iterations"})
+            else:
+                self.tool_rounds[i] += 1
+                commands[i] = action.command
+        results = envs.step(commands) if any(c is not None for c in commands) else [None] * len(actions)
+        for i, result in local.items():
+            results[i] = result
+        for i, command in enumerate(commands):
+            if command is not None and not _is_failure(results[i]):
+                self.chats[i].extend(results[i].info.get("tool_messages", []))
+        return results
+
+    def finish(self, envs, rollout: Rollout) -> None:
+        """Each episode's reward on its last step: `get_reward` (in the session) plus the
+        weighted `reward_funcs` (TRL's `_calculate_rewards`)."""
+        episodes = rollout.episodes
+        last = {}
+        for index, step in enumerate(rollout.steps):
+            last[step.traj] = index
+        scored = [not e.failed and e.traj in last for e in episodes]
+        rewards = [0.0] * len(episodes)
+        if len(self.trainer.reward_funcs) > self.num_user_reward_funcs:  # TRL found a get_reward
+            results = envs.step([SCORE if ok else None for ok in scored])
+            for i, result in enumerate(results):
+                if not scored[i]:
+                    continue
+                if _is_failure(result):  # get_reward raised or hung: the episode failed
+                    episodes[i].failed, scored[i] = True, False
+                    episodes[i].failure = (result.info or {}).get("env_failure", "get_reward failed")
+                else:
+                    rewards[i] += result.reward
+        if self.num_user_reward_funcs:
+            funcs = self._user_rewards(envs, rollout, scored)
+            rewards = [r + f for r, f in zip(rewards, funcs)]
+        for i, episode in enumerate(episodes):
+            if scored[i]:
+                rollout.steps[last[episode.traj]].reward += rewards[i]
+                episode.reward += rewards[i]
+                episode.won = episode.reward > 0
+
+    def _instances(self, envs) -> list[Any]:
+        sessions = envs.local_envs() if hasattr(envs, "local_envs") else []
+        return [getattr(s, "env", None) for s in sessions] + [None] * (len(self.tasks) - len(sessions))
+
+    def _user_rewards(self, envs, rollout: Rollout, scored: list[bool]) -> list[float]:
+        """The user's `reward_funcs`, weighted, by TRL's `_calculate_rewards` (which gathers over
+        ranks: this rank's rows are sliced back out, as TRL does)."""
+        import torch
+
+        trainer, k = self.trainer, self.num_user_reward_funcs
+        completions = [chat[len(prompt):] for chat, prompt in zip(self.chats, self.prompts)]
+        completion_ids = [[] for _ in self.tasks]
+        for step in rollout.steps:
+            completion_ids[step.traj - rollout.episodes[0].traj] += list(step.completion_ids)
+        instances = self._instances(envs)
+        saved = trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments
+        trainer.reward_funcs, trainer.reward_func_names = saved[0][:k], saved[1][:k]
+        trainer.reward_processing_classes = saved[2][:k]
+        trainer.environments = [env if ok else None for env, ok in zip(instances, scored)]
+        try:
+            per_func = trainer._calculate_rewards(self.rows, self.prompts, completions, completion_ids)
+        finally:
+            trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
+        rank, n = trainer.accelerator.process_index, len(self.tasks)
+        per_func = per_func[rank * n : (rank + 1) * n]
+        weights = trainer.reward_weights[:k].to(per_func.device)
+        total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
+        return [float(x) for x in total]

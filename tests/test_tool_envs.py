@@ -1,0 +1,167 @@
+"""TRL's environments (`environment_factory`) played turn by turn by `run_rollouts` with `ToolEnvAdapter`.
+
+The replies are scripted per episode and parsed by TRL's own `parse_response` with the
+Qwen2.5 response template TRL sets (`add_response_schema`); the envs are stepped by a
+real `VectorEnv`. What the adapter needs of the trainer (the tool schema per env, the
+tokenizer, TRL's bound on tool rounds, the reward columns) is given as TRL's
+`GRPOTrainer.__init__` would set it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+
+import pytest
+from trl.chat_template_utils import add_response_schema
+
+from bipace_trainer.rollout import Generation, RolloutSettings, TaskRef, run_rollouts
+from bipace_trainer.tool_envs import ToolEnvAdapter, ToolSession, tool_methods
+from envs.vector import VectorEnv
+
+from tests.trainer.tool_setup import PROMPT, Lamps, make_tokenizer
+
+
+class BrokenLamps(Lamps):
+    """Lamps whose switch B is broken: flipping it raises, as a tool calling a dead server would."""
+
+    def flip_b(self) -> str:
+        """
+        Flip the switch of lamp B.
+
+        Returns:
+            The state of both lamps.
+        """
+        raise ConnectionError("lamp B's server refused the connection")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return add_response_schema(make_tokenizer())
+
+
+def call(*names: str) -> str:
+    return "".join("<tool_call>\n" + json.dumps({"name": n, "arguments": {}}) + "\n</tool_call>" for n in names)
+
+
+def fake_trainer(tokenizer, factories, max_tool_calling_iterations=10):
+    """The attributes `GRPOTrainer.__init__` sets for `environment_factory=factories`."""
+    multi = isinstance(factories, dict)
+    factories = factories if multi else {None: factories}
+    return types.SimpleNamespace(
+        environment_factories=factories,
+        _multi_environment=multi,
+        _standalone_tools=[],
+        _env_tools={name: tool_methods(factory()) for name, factory in factories.items()},
+        tools=[],
+        _tokenizer=tokenizer,
+        max_tool_calling_iterations=max_tool_calling_iterations,
+        reward_funcs=["get_reward"],  # TRL appended one get_reward column; no user reward_funcs
+    )
+
+
+def scripted(tokenizer, trainer, scripts):
+    """A generator replying scripts[episode][turn]; the episode is named in its prompt."""
+
+    def generate(messages, environments):
+        prompt_ids, completion_ids, texts = [], [], []
+        for chat, name in zip(messages, environments):
+            episode = int(re.search(r"episode (\d+)", chat[1]["content"]).group(1))
+            turn = sum(m["role"] == "assistant" for m in chat)
+            text = scripts[episode][turn] + "<|im_end|>"
+            ids = tokenizer.apply_chat_template(chat, tools=trainer._env_tools[name], add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+            prompt_ids.append(list(ids))
+            completion_ids.append(tokenizer(text)["input_ids"])
+            texts.append(text)
+        return Generation(prompt_ids, completion_ids, texts)
+
+    return generate
+
+
+def rows(count, environment=None):
+    out = []
+    for i in range(count):
+        prompt = [PROMPT[0], {"role": "user", "content": f"episode {i}. Light both lamps. "}]
+        out.append({"prompt": prompt} | ({"environment": environment[i]} if environment else {}))
+    return out
+
+
+def play(tokenizer, factories, scripts, max_turns=5, environment=None, **trainer_kwargs):
+    trainer = fake_trainer(tokenizer, factories, **trainer_kwargs)
+    data = rows(len(scripts), environment)
+    tasks = [TaskRef(0, group=0, inputs=row) for row in data]
+    session = __import__("functools").partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
+    with VectorEnv(session, len(tasks)) as envs:
+        rollout = run_rollouts(envs, tasks, scripted(tokenizer, trainer, scripts), RolloutSettings(max_turns=max_turns),
+                               adapter=ToolEnvAdapter(trainer, num_user_reward_funcs=0))
+        metrics = envs.metrics()
+    return rollout, metrics
+
+
+def test_each_turn_is_one_step_tool_results_are_the_next_state_and_get_reward_scores_the_end(tokenizer):
+    scripts = [
+        [call("flip_a"), call("flip_b"), "Done."],  # A then B: both on
+        [call("flip_b"), call("flip_a"), "Done."],  # B then A: the same state by another path
+        [call("flip_a"), "Done."],  # stops with B off: half the reward
+        [call("flip_a", "flip_b"), "Done."],  # two calls in one turn: one step, both on
+    ]
+    rollout, metrics = play(tokenizer, Lamps, scripts)
+    by_traj = {}
+    for step in rollout.steps:
+        by_traj.setdefault(step.traj, []).append(step)
+    both_on = "Lamp A is on. Lamp B is on."
+    start = "Lamp A is off. Lamp B is off."
+    assert [s.anchor for s in by_traj[0]] == [start, "Lamp A is on. Lamp B is off.", both_on]
+    assert [s.anchor for s in by_traj[1]] == [start, "Lamp A is off. Lamp B is on.", both_on]
+    assert [s.anchor for s in by_traj[3]] == [start, "Lamp A is on. Lamp B is off.\n" + both_on]
+    # the reward sits on the last step only: get_reward() once the model answers
+    assert [[s.reward for s in by_traj[t]] for t in range(4)] == [[0, 0, 1], [0, 0, 1], [0, 0.5], [0, 1]]
+    assert [e.won for e in rollout.episodes] == [True, True, True, True]  # a positive reward
+    assert [e.length for e in rollout.episodes] == [3, 3, 2, 2]
+    assert not any(e.failed or e.truncated for e in rollout.episodes)
+    # PACE keys: the same tool call is the same action, whatever the path; an answer is its own key
+    assert by_traj[0][0].action_key == by_traj[2][0].action_key != by_traj[1][0].action_key
+    assert by_traj[0][2].action_key.startswith("answer:")
+    # the chat grew with TRL's messages: the prompt of turn 2 holds both tool results
+    assert metrics["env/failures"] == 0.0 and metrics["env/steps"] == 4 + 2 + 4  # 6 tool turns, 4 get_reward calls
+
+
+def test_a_tool_that_raises_ends_only_its_episode_as_a_counted_failure(tokenizer):
+    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_a"), "Done."], [call("nope")]]
+    rollout, metrics = play(tokenizer, BrokenLamps, scripts)
+    first, second, third = rollout.episodes
+    assert first.failed and "ConnectionError" in first.failure and first.length == 2 and first.reward == 0
+    assert not second.failed and second.length == 2  # the other episodes play on
+    assert third.failed and "nope" in third.failure  # a call to a tool the env does not have
+    assert metrics["env/failures"] == 2.0
+
+
+def test_max_tool_calling_iterations_ends_the_episode_as_truncated(tokenizer):
+    scripts = [[call("flip_a")] * 5]
+    rollout, _ = play(tokenizer, Lamps, scripts, max_turns=5, max_tool_calling_iterations=2)
+    (episode,) = rollout.episodes
+    assert episode.truncated and not episode.failed and episode.length == 3  # 2 rounds ran, the third was refused
+    assert [s.anchor for s in rollout.steps][-1] == "Lamp A is off. Lamp B is off."  # A flipped twice
+    rollout, _ = play(tokenizer, Lamps, scripts, max_turns=2)
+    assert rollout.episodes[0].truncated and rollout.episodes[0].length == 2  # the turn budget
+
+
+def test_a_dict_of_factories_routes_each_row_by_its_environment_column(tokenizer):
+    scripts = [[call("flip_b"), "Done."], [call("flip_b"), "Done."]]
+    rollout, metrics = play(tokenizer, {"good": Lamps, "broken": BrokenLamps}, scripts, environment=["good", "broken"])
+    good, broken = rollout.episodes
+    assert not good.failed and broken.failed
+    assert metrics["env/failures"] == 1.0
+
+
+def test_an_unset_env_name_is_checked_only_when_a_trainer_plays_it(monkeypatch, tmp_path):
+    from bipace_trainer import config
+
+    monkeypatch.setattr(config, "DEFAULT_ENV", "no_such_env")
+    args = config.BiPACEConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)  # TRL's envs need none
+    with pytest.raises(ValueError, match="env_name='no_such_env'"):
+        args.require_env()  # what BiPACETrainer calls without environment_factory or tools
+    with pytest.raises(ValueError, match="env_name='no_such_env'"):
+        config.BiPACEConfig(output_dir=str(tmp_path), env_name="no_such_env", report_to="none", use_cpu=True)
