@@ -1,7 +1,7 @@
 """Oracle study rows under surface variation: hash vs hidden-state grouping when the text of a state varies.
 
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft --variation 0 0.5 1
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld --variation 0 0.5 1
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft --variation 0 1 0.5   # levels run in this order
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld --variation 0 1 0.5
     OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci --variation 0 1          # CI size (tiny models)
     python -m bench.oracle_study --variation-report docs/results/oracle/oracle_variation_*.json
 
@@ -21,7 +21,7 @@ pairs with w_ep = 0, and BiPACE_Q / BiGPO on each model's hidden states.
 Models (`MODELS`): `pretrained`, the embedded SmolLM2-135M-Instruct; `warm_start`, the same
 with the shipped TextCraft LoRA adapter (warm_starts/smollm2-135m-textcraft) merged; `tiny`,
 the learning study's policy shape (a 256 x 4 Qwen2 with a byte-level BPE tokenizer trained
-on the env's text, here the level-0 prompts of the first seed), random init: the study's
+on the env's text, here the prompts of the first level's first seed), random init: the study's
 trained checkpoints are not kept in the repository.
 
 Writes <out>/oracle_variation_<envs>.json (after every batch) and oracle_variation_<envs>.png.
@@ -71,8 +71,8 @@ MODEL_LAYERS = {
 VARIATION_SIZES = {
     "full": {
         # sized for a 2-core machine shared with other jobs (a SmolLM2 pass: 5-15 s per prompt there)
-        "textcraft": VariationEnv(tasks=2, max_turns=30, seeds=(0, 1, 2)),
-        "alfworld": VariationEnv(tasks=1, max_turns=50, seeds=(0, 1), models=("pretrained", "tiny"),
+        "textcraft": VariationEnv(tasks=2, max_turns=30, seeds=(0, 1, 2), models=("tiny", "pretrained", "warm_start")),
+        "alfworld": VariationEnv(tasks=1, max_turns=50, seeds=(0,), models=("tiny", "pretrained"),
                                  env_kwargs={"source": "auto"}),
     },
     "ci": {
@@ -136,25 +136,28 @@ def _batch(env: str, ids: list[int], plan: VariationEnv, seed: int, level: float
     return batch
 
 
-def evaluate_variation_batch(batch, hidden: dict[str, dict[int, torch.Tensor]]) -> dict[str, Any]:
-    """`oracle_study.evaluate_batch` once without hidden states (hash, true, GRPO/GiGPO/GAGPO), then
-    once per model with its states, keeping that model's hidden rows under its name."""
+def evaluate_base(batch) -> dict[str, Any]:
+    """`oracle_study.evaluate_batch` without hidden states: hash, true, GRPO, GiGPO, GAGPO."""
     from bench.oracle_study import Size, evaluate_batch
 
     base = evaluate_batch(batch, {}, Size(envs={}, layers=()))
-    out = {"estimators": base["estimators"], "axes": base["axes"], "grouping": base["grouping"],
-           "value_proxy": base["value_proxy"], "models": {}}
-    for model, states in hidden.items():
-        layers, accuracy_layer = MODEL_LAYERS[model]
-        r = evaluate_batch(batch, {"pretrained": states}, Size(envs={}, layers=layers, accuracy_layer=accuracy_layer))
-        out["models"][model] = {
-            "estimators": {k: v for k, v in r["estimators"].items() if k in HIDDEN_PRESETS},
-            "axes": {k: v for k, v in r["axes"].items() if k.startswith("hidden/")},
-            "grouping": {k.replace("/pretrained/", f"/{model}/"): v for k, v in r["grouping"].items() if k.startswith("hidden/")},
-            "value_proxy": r["value_proxy"]["hidden"],
-            "accuracy_layer": accuracy_layer,
-        }
-    return out
+    return {"estimators": base["estimators"], "axes": base["axes"], "grouping": base["grouping"],
+            "value_proxy": base["value_proxy"], "models": {}}
+
+
+def evaluate_model(batch, model: str, states: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """`oracle_study.evaluate_batch` with one model's states, keeping its hidden rows under its name."""
+    from bench.oracle_study import Size, evaluate_batch
+
+    layers, accuracy_layer = MODEL_LAYERS[model]
+    r = evaluate_batch(batch, {"pretrained": states}, Size(envs={}, layers=layers, accuracy_layer=accuracy_layer))
+    return {
+        "estimators": {k: v for k, v in r["estimators"].items() if k in HIDDEN_PRESETS},
+        "axes": {k: v for k, v in r["axes"].items() if k.startswith("hidden/")},
+        "grouping": {k.replace("/pretrained/", f"/{model}/"): v for k, v in r["grouping"].items() if k.startswith("hidden/")},
+        "value_proxy": r["value_proxy"]["hidden"],
+        "accuracy_layer": accuracy_layer,
+    }
 
 
 def _grouping_summary(batch) -> dict[str, Any]:
@@ -166,7 +169,12 @@ def _grouping_summary(batch) -> dict[str, Any]:
 
 
 def run_variation(size_name: str, levels: list[float], out: Path, work_dir: Path, only: list[str] | None) -> dict[str, Any]:
-    """Every (env, level, seed) batch of `VARIATION_SIZES[size_name]`, with each model's hidden states."""
+    """Every (env, level, seed) batch of `VARIATION_SIZES[size_name]`, then each model's hidden rows.
+
+    Passes, cheapest first, the JSON rewritten after every batch of every pass: all batches with
+    the hash and true-state rows; then model by model (in the plan's order), its hidden rows on each
+    batch it runs on, levels in the order given. A run stopped early thus keeps every finished row.
+    """
     from bench.oracle_study import TRUTH, HiddenStates, task_ids
 
     envs = {k: v for k, v in VARIATION_SIZES[size_name].items() if not only or k in only}
@@ -177,49 +185,51 @@ def run_variation(size_name: str, levels: list[float], out: Path, work_dir: Path
     result: dict[str, Any] = {"size": size_name, "levels": levels, "plans": {k: asdict(v) for k, v in envs.items()},
                               "machine": common.machine(), "batches": [], "model_seconds": {}}
     start_all = time.perf_counter()
+
+    def save() -> None:
+        result["seconds_total"] = time.perf_counter() - start_all
+        common.write_json(path, result)
+
     for env, plan in envs.items():
         ids = task_ids(env, plan.tasks, plan.env_kwargs)
         truth = TRUTH[env]()  # plans memoised per true state: the levels replay the same states
-        first = _batch(env, ids, plan, plan.seeds[0], 0.0, truth, work_dir)
-        capture = {}
-        for model in plan.models:
-            start = time.perf_counter()
-            network, tokenizer = load_model(model, env, first)
-            layers = MODEL_LAYERS[model][0]
-            cache = work_dir / f"hidden_variation_{env}_{model}.pt"
-            capture[model] = HiddenStates(network, tokenizer, layers, cache, batch_size=4)
-            result["model_seconds"][f"{env}/{model}/load"] = time.perf_counter() - start
+        batches = {}
         for level in levels:
             for seed in plan.seeds:
+                batch = batches[(level, seed)] = _batch(env, ids, plan, seed, level, truth, work_dir)
                 start = time.perf_counter()
-                batch = _batch(env, ids, plan, seed, level, truth, work_dir)
-                prompts = [t.messages for t in batch.truth]
-                hidden, hidden_seconds = {}, {}
-                for model, cap in capture.items():
-                    if model not in TINY_MODELS and seed not in plan.big_seeds:
-                        continue
-                    hidden[model] = cap(prompts)
-                    hidden_seconds[model] = cap.last
-                analysis_start = time.perf_counter()
-                metrics = evaluate_variation_batch(batch, hidden)
                 entry = {
                     "env": env, "variation": level, "seed": seed, "expert_prob": plan.expert_prob, "tasks": ids,
                     "steps": len(batch.truth),
                     "success_rate": statistics.fmean(e.won for e in batch.rollout.episodes),
                     "texts": _grouping_summary(batch),
-                    **metrics,
-                    "seconds": {"rollout": batch.seconds.get("rollout", math.nan), "hidden": hidden_seconds,
-                                "analysis": time.perf_counter() - analysis_start, "batch": time.perf_counter() - start},
+                    **evaluate_base(batch),
+                    "seconds": {"rollout": batch.seconds.get("rollout", math.nan), "hidden": {}},
                 }
+                entry["seconds"]["analysis"] = time.perf_counter() - start
                 result["batches"].append(entry)
-                result["seconds_total"] = time.perf_counter() - start_all
-                common.write_json(path, result)
+                save()
                 print(f"{env} v {level} seed {seed}: {entry['steps']} steps, {entry['texts']}, hash singletons "
-                      f"{entry['grouping']['hash']['singleton_rate']:.2f}, "
-                      + ", ".join(f"{m} {v['prompts_computed']} prompts {v['seconds_now']:.0f} s" for m, v in hidden_seconds.items()),
-                      flush=True)
-    result["seconds_total"] = time.perf_counter() - start_all
-    common.write_json(path, result)
+                      f"{entry['grouping']['hash']['singleton_rate']:.2f}", flush=True)
+        entries = {(b["variation"], b["seed"]): b for b in result["batches"] if b["env"] == env}
+        for model in plan.models:
+            start = time.perf_counter()
+            network, tokenizer = load_model(model, env, batches[(levels[0], plan.seeds[0])])
+            capture = HiddenStates(network, tokenizer, MODEL_LAYERS[model][0],
+                                   work_dir / f"hidden_variation_{env}_{model}.pt", batch_size=4)
+            result["model_seconds"][f"{env}/{model}/load"] = time.perf_counter() - start
+            seeds = plan.seeds if model in TINY_MODELS else [s for s in plan.seeds if s in plan.big_seeds]
+            for level in levels:
+                for seed in seeds:
+                    batch, entry = batches[(level, seed)], entries[(level, seed)]
+                    states = capture([t.messages for t in batch.truth])
+                    entry["seconds"]["hidden"][model] = capture.last
+                    entry["models"][model] = evaluate_model(batch, model, states)
+                    save()
+                    print(f"{env} v {level} seed {seed} {model}: {capture.last['prompts_computed']} prompts "
+                          f"{capture.last['seconds_now']:.0f} s", flush=True)
+            del network, capture
+    save()
     variation_plot(result, out / f"oracle_variation_{tag}.png")
     return result
 
