@@ -305,12 +305,14 @@ def variation_tables(result: dict[str, Any]) -> str:
         for level in levels:
             row = []
             for name, model in columns:
-                values = []
+                values, all_zero = [], []
                 for b in cells[(env, level)]:
                     source = b if model is None else b["models"].get(model, {"estimators": {}, "axes": {}})
                     metric = source["estimators"].get(name) or source["axes"].get(name)
                     values.append(metric["spearman"] if metric else math.nan)
-                row.append(_fmt(_stat(values)))
+                    all_zero.append(bool(metric) and metric["zero_rate"] == 1.0)
+                # an advantage that is 0 on every step has no rank correlation: say so instead of "–"
+                row.append("all 0" if all_zero and all(all_zero) else _fmt(_stat(values)))
             lines.append(f"| {level} | " + " | ".join(row) + " |")
         lines.append(f"\n**{env}: cost per batch** (seconds: rollout, then hidden states per model: prompts computed)\n")
         lines.append("| variation | seed | rollout s | hidden states |")
