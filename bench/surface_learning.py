@@ -83,7 +83,8 @@ def table(summary: dict[str, Any], warm: float) -> str:
             f"| `{preset}` | {_fmt(s['train_first'])} | {_fmt(s['train_last'])} | {_fmt(s['heldout_final'])} | {gap} "
             f"| {s['hash_singleton_rate']:.3f} / {s['hidden_singleton_rate']:.3f} | {statistics.fmean(s['seconds']):.0f} |"
         )
-    lines.append("\nMean ± 95% t-interval half-width over seeds.")
+    seeds = max(len(s["seeds"]) for s in summary.values())
+    lines.append("\nMean ± 95% t-interval half-width over seeds." if seeds > 1 else "\nOne seed: single values, no interval.")
     return "\n".join(lines)
 
 
