@@ -354,10 +354,16 @@ def variation_plot(result: dict[str, Any], path: Path) -> None:
         models = list(dict.fromkeys(m for level in levels for b in cells[(env, level)] for m in b["models"]))
         for model in models:
             series[f"bipace_q ({model})"] = lambda b, m=model: b["models"].get(m, {}).get("estimators", {}).get("bipace_q")
+        def spearman(metric) -> float:  # an all-zero advantage carries no signal: plotted at 0, not left out
+            if not metric:
+                return math.nan
+            return 0.0 if metric["zero_rate"] == 1.0 else metric["spearman"]
+
         for label, get in series.items():
-            ys = [_stat([(get(b) or {}).get("spearman", math.nan) for b in cells[(env, level)]])["mean"] for level in levels]
+            ys = [_stat([spearman(get(b)) for b in cells[(env, level)]])["mean"] for level in levels]
             ax.plot(levels, ys, marker="o", label=label)
-        ax.set(xlabel="surface variation", ylabel="Spearman(advantage, A*)", title=f"{env}: estimator vs oracle")
+        ax.set(xlabel="surface variation", ylabel="Spearman(advantage, A*); 0 = all-zero advantage",
+               title=f"{env}: estimator vs oracle")
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
