@@ -319,8 +319,10 @@ def variation_tables(result: dict[str, Any]) -> str:
         lines.append("|---|---|---|---|")
         for level in levels:
             for b in cells[(env, level)]:
-                hid = ", ".join(f"{m} {v['seconds_now']:.0f} s ({v['prompts_computed']} prompts × {v['mean_prompt_tokens']:.0f} tokens)"
-                                for m, v in b["seconds"]["hidden"].items())
+                hid = ", ".join(
+                    f"{m} {v['seconds_now']:.0f} s ({v['prompts_computed']} prompts × {v['mean_prompt_tokens']:.0f} tokens)"
+                    for m, v in b["seconds"]["hidden"].items()
+                )
                 lines.append(f"| {level} | {b['seed']} | {b['seconds']['rollout']:.0f} | {hid} |")
     lines.append(f"\ntotal {result.get('seconds_total', 0):.0f} s")
     return "\n".join(lines)

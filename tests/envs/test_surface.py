@@ -182,7 +182,11 @@ def test_shuffled_lists_keep_their_items(items, seed):
 @pytest.mark.parametrize(
     "env_name, sentence, kept",
     [
-        ("alfworld", "On the countertop 1, you see a apple 1, a knife 2, and a mug 1.", ["countertop 1", "apple 1", "knife 2", "mug 1"]),
+        (
+            "alfworld",
+            "On the countertop 1, you see a apple 1, a knife 2, and a mug 1.",
+            ["countertop 1", "apple 1", "knife 2", "mug 1"],
+        ),
         ("alfworld", "You pick up the apple 1 from the countertop 1.", ["apple 1", "countertop 1"]),
         ("alfworld", "You arrive at cabinet 3.", ["cabinet 3"]),
         ("textcraft", "Got 2 oak log", ["2", "oak log"]),
