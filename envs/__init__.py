@@ -11,12 +11,14 @@ from .base import (
     StepResult,
     TaskSpec,
     TextEnv,
+    build_env,
     make_env,
     normalise_action,
     register_env,
     registered_envs,
     resolve_env_class,
 )
+from .surface import SurfaceVariation, unwrap
 from .tiny import TinyEnv
 from .vector import VectorEnv
 
@@ -29,12 +31,15 @@ __all__ = [
     "EnvUnavailableError",
     "StepResult",
     "TaskSpec",
+    "SurfaceVariation",
     "TextEnv",
     "TinyEnv",
     "VectorEnv",
+    "build_env",
     "make_env",
     "normalise_action",
     "register_env",
     "registered_envs",
     "resolve_env_class",
+    "unwrap",
 ]
