@@ -128,6 +128,33 @@ SIZES = {
         layers=4,
         learning_rate=1e-4,
     ),
+    # Surface variation (issue 32, envs.SurfaceVariation) at level 1, where exact-match cells
+    # collapse to singletons: the warm start's demonstrations, the RL rollouts and the evaluations
+    # all see the varied text. `cpu-surface` is the tiny-env study (`cpu`) under it;
+    # `cpu-textcraft-surface` the TextCraft study (run it with --set train_tasks=8 for the task mix).
+    "cpu-surface": Size(
+        envs={
+            "tiny": EnvPlan(
+                "tiny", ("valid",), env_kwargs={"size": 6, "surface_variation": 1.0}, expert_prob=0.5,
+                episodes_per_task=4, sft_steps=80, sft_learning_rate=5e-3, rl_steps=30, tasks_per_iteration=2,
+                num_generations=8, max_turns=6, eval_interval=5, eval_rollouts_per_task=8,
+            )
+        },
+        seeds=5,
+    ),
+    "cpu-textcraft-surface": Size(
+        envs={
+            "textcraft": EnvPlan(
+                "textcraft", ("valid", "test_ood", "train"), env_kwargs={"surface_variation": 1.0}, demo_variants=3,
+                demo_id_stride=419, sft_steps=1200, sft_batch_size=16, sft_learning_rate=1e-3, rl_steps=30,
+                tasks_per_iteration=2, num_generations=8, max_turns=10, eval_interval=10, eval_tasks=48,
+            ),
+        },
+        hidden_size=256,
+        layers=4,
+        learning_rate=1e-4,
+        seeds=5,
+    ),
     "cuda": Size(
         envs={
             "textcraft": EnvPlan(

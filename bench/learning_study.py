@@ -6,6 +6,8 @@
     OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-textcraft  # TextCraft, 256 x 4 model
     OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-alfworld   # ALFWorld, 256 x 4 model
     python -m bench.learning_study --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
+    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-surface    # tiny env at surface variation 1 (issue 32)
+    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-textcraft-surface --set train_tasks=8  # TextCraft mix, same
 
 Per env:
 1. Warm start. SFT (TRL's SFTTrainer) of a small policy on expert and perturbed-expert

@@ -5,6 +5,8 @@
     OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci         # CI size (~40 s of CPU, tiny random model)
     OMP_NUM_THREADS=1 python -m bench.oracle_study --size hierarchy --env textcraft   # HGPO rows, no hidden states
     python -m bench.oracle_study --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
+    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft --variation 0 0.5 1   # surface-variation rows
+                                                                                    # (bench/oracle_variation.py)
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
    TextCraft and ALFWorld (official games when $ALFWORLD_DATA has them, else generated ones),
@@ -84,6 +86,7 @@ from bipace_trainer.advantages import (
 from bipace_trainer.hidden import PositionCapture, num_hidden_layers, resolve_layer_module
 from bipace_trainer.prompting import fit_prompt_ids
 from envs.base import resolve_env_class, stratified_subset
+from envs.surface import check_level
 
 GAMMA = 0.95  # SPEC §2 and every recipe's step_gamma
 PAPER_SINGLETONS = {"hash": 0.273, "hidden": 0.180}  # BiPACE paper, ALFWorld, Qwen2.5-7B
@@ -772,7 +775,24 @@ def main() -> None:
     parser.add_argument(
         "--report", type=Path, nargs="+", help="print the tables and draw the plots of finished runs' JSON (merged)"
     )
+    parser.add_argument(
+        "--variation", type=float, nargs="+", metavar="LEVEL",
+        help="surface-variation rows instead (bench/oracle_variation.py): the same episodes at these levels, e.g. 0 0.5 1",
+    )
+    parser.add_argument("--variation-report", type=Path, nargs="+", help="tables and plot of finished variation runs' JSON")
     args = parser.parse_args()
+    if args.variation is not None or args.variation_report:
+        from bench import oracle_variation
+
+        if args.variation_report:
+            result = oracle_variation.report(args.variation_report)
+        else:
+            for level in args.variation:
+                check_level(level, "--variation")
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+            result = oracle_variation.run_variation(args.size, args.variation, args.out, args.work_dir, args.env)
+        print(oracle_variation.variation_tables(result))
+        return
     if args.report:
         parts = [json.loads(path.read_text()) for path in args.report]
         batches = [b for part in parts for b in part["batches"]]

@@ -28,7 +28,10 @@ not a proven optimum: an action with A* > 0 would be one that beats it, and the 
 counts them.
 
 The true state is TextCraft's goal and inventory (the env's anchor is exactly that), and
-ALFWorld's PDDL fact set. Neither env has a public accessor for its state or its solver,
+ALFWorld's PDDL fact set. Under surface variation (`env_kwargs={"surface_variation": ...}`) the
+oracle reads the engine behind the wrapper and its unvaried result, so the true state, the
+plans and the behaviour policy are those of the unvaried episode; only the text the trainer's
+prompts and anchors are built from varies. Neither env has a public accessor for its state or its solver,
 so `_TextCraftTruth` and `_AlfWorldTruth` read the engines' attributes here (kept in these
 two small classes, the only place that does).
 """
@@ -43,7 +46,8 @@ from typing import Any, Sequence
 
 from bipace_trainer.demonstrations import format_reply
 from bipace_trainer.rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
-from envs.base import StepResult, make_env
+from envs.base import StepResult, build_env, resolve_env_class
+from envs.surface import SurfaceVariation, unwrap
 
 __all__ = ["TruthStep", "TruthBatch", "truth_rollouts", "oracle_values", "TRUTH"]
 
@@ -140,12 +144,25 @@ TRUTH = {"textcraft": _TextCraftTruth, "alfworld": _AlfWorldTruth}
 
 class _TruthEnvs:
     """The reset/step contract `run_rollouts` expects (as `VectorEnv`'s serial backend), over
-    env instances this process can inspect; remembers each env's latest result."""
+    env instances this process can inspect; remembers each env's latest result.
+
+    With `surface_variation` in env_kwargs, env i is wrapped in `SurfaceVariation` with stream i
+    (a batch renders the same whatever ran before it in the process), and `view(i)` gives the
+    oracle the engine and its unvaried result: the true state never sees the variation.
+    """
 
     def __init__(self, env: str, num_envs: int, env_kwargs: dict[str, Any]):
-        self.envs = [make_env(env, **env_kwargs) for _ in range(num_envs)]
+        env_class = resolve_env_class(env)
+        self.envs = [build_env(env_class, env_kwargs, stream=i) for i in range(num_envs)]
         self.latest: list[StepResult | None] = [None] * num_envs
         self.seconds = 0.0
+
+    def view(self, i: int) -> tuple[Any, StepResult | None]:
+        """(the engine of env i, its latest result as the engine rendered it)."""
+        instance = self.envs[i]
+        if isinstance(instance, SurfaceVariation):
+            return unwrap(instance), instance.last_unvaried
+        return instance, self.latest[i]
 
     def reset(self, task_ids: Sequence[int]) -> list[StepResult]:
         start = time.perf_counter()
@@ -205,7 +222,7 @@ def truth_rollouts(
         assert len(active) == len(messages), "policy and rollout disagree on the active envs"
         texts = []
         for i, message in zip(active, messages):
-            instance, result = envs.envs[i], envs.latest[i]
+            instance, result = envs.view(i)
             start = time.perf_counter()
             state = truth.state(instance, result)
             plan = truth.plan(instance)

@@ -14,6 +14,7 @@ import torch
 from trl import GRPOConfig
 
 from envs.base import EnvUnavailableError, resolve_env_class
+from envs.surface import split_surface_kwargs
 from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
@@ -156,7 +157,9 @@ class BiPACEConfig(GRPOConfig):
     env_name (`str`, `"textcraft"`; flag `--env`): registered env name or `package.module:Class`.
         Left unset it is `"textcraft"`, checked only when a trainer plays it: a `BiPACETrainer`
         given TRL's `environment_factory` or `tools` plays those instead (`tool_envs`).
-    env_kwargs (`dict` or JSON `str`): keyword arguments of the env constructor.
+    env_kwargs (`dict` or JSON `str`): keyword arguments of the env constructor; two keys are the
+        wrapper's instead: `surface_variation` (0-1) renders the text with controlled variation
+        that leaves the state alone, seeded by `surface_seed` (`envs.surface.SurfaceVariation`).
     max_turns (`int`, 15): turn budget per episode; a trajectory that hits it is truncated.
     history_length (`int`, 2): observation/action pairs of history in each prompt.
     tasks_per_iteration (`int`, 4): task groups per generation, over all processes; each is
@@ -293,7 +296,11 @@ class BiPACEConfig(GRPOConfig):
         },
     )
     env_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Env constructor kwargs: a dict, or a JSON string such as '{\"size\": 4}'."}
+        default=None,
+        metadata={
+            "help": "Env constructor kwargs: a dict, or a JSON string such as '{\"size\": 4}'; "
+            "'surface_variation' (0-1) and 'surface_seed' wrap the env in envs.surface.SurfaceVariation."
+        },
     )
     max_turns: int = field(default=15, metadata={"help": "Turn budget per episode (ALFWorld papers: 50)."})
     history_length: int = field(default=2, metadata={"help": "Observation/action pairs of history in each prompt."})
@@ -458,7 +465,11 @@ class BiPACEConfig(GRPOConfig):
             if getattr(self, name) not in splits:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a split of {self.env_name!r}; use one of {splits}.")
         try:
-            inspect.signature(env_class).bind(**self.env_kwargs)
+            engine_kwargs, _ = split_surface_kwargs(self.env_kwargs)  # surface_variation wraps the env (envs.surface)
+        except ValueError as err:
+            raise ValueError(f"env_kwargs: {err}") from None
+        try:
+            inspect.signature(env_class).bind(**engine_kwargs)
         except TypeError as err:  # a typo in env_kwargs would fail every env build, silently skipping every batch
             raise ValueError(
                 f"env_kwargs={self.env_kwargs!r} do not fit {env_class.__name__}{inspect.signature(env_class)} "

@@ -12,12 +12,14 @@ from .base import (
     StepResult,
     TaskSpec,
     TextEnv,
+    build_env,
     make_env,
     normalise_action,
     register_env,
     registered_envs,
     resolve_env_class,
 )
+from .surface import SurfaceVariation, unwrap
 from .tiny import TinyEnv
 from .trl_env import EnvironmentFailure, as_trl_environment, trl_task_dataset
 from .vector import VectorEnv
@@ -32,14 +34,17 @@ __all__ = [
     "EnvironmentFailure",
     "StepResult",
     "TaskSpec",
+    "SurfaceVariation",
     "TextEnv",
     "TinyEnv",
     "VectorEnv",
     "as_trl_environment",
+    "build_env",
     "make_env",
     "normalise_action",
     "register_env",
     "registered_envs",
     "resolve_env_class",
     "trl_task_dataset",
+    "unwrap",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "normalise_action",
     "register_env",
     "make_env",
+    "build_env",
     "resolve_env_class",
     "registered_envs",
     "EnvUnavailableError",
@@ -233,5 +234,21 @@ def resolve_env_class(name: str) -> type[TextEnv]:
 
 
 def make_env(name: str, **env_kwargs: Any) -> TextEnv:
-    """Build one env instance by registry name or dotted path."""
-    return resolve_env_class(name)(**env_kwargs)
+    """Build one env instance by registry name or dotted path.
+
+    `surface_variation` (and `surface_seed`) among the kwargs wrap the env in
+    `envs.surface.SurfaceVariation` instead of reaching its constructor.
+    """
+    return build_env(resolve_env_class(name), env_kwargs)
+
+
+def build_env(
+    env_class: type[TextEnv] | Callable[..., TextEnv], env_kwargs: dict[str, Any] | None, stream: int | None = None
+) -> TextEnv:
+    """`env_class(**env_kwargs)`, wrapped in `SurfaceVariation` when env_kwargs ask for it (one owner
+    of that rule for `make_env` and `VectorEnv`); `stream` numbers the wrapper (see envs.surface)."""
+    from .surface import SurfaceVariation, split_surface_kwargs  # surface imports this module
+
+    engine_kwargs, surface_kwargs = split_surface_kwargs(env_kwargs)
+    env = env_class(**engine_kwargs)
+    return SurfaceVariation(env, stream=stream, **surface_kwargs) if surface_kwargs else env

@@ -81,7 +81,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
-from .base import EnvUnavailableError, StepResult, TextEnv, resolve_env_class
+from .base import EnvUnavailableError, StepResult, TextEnv, build_env, resolve_env_class
 
 __all__ = [
     "VectorEnv",
@@ -210,7 +210,7 @@ def sanitize_result(result: Any, max_observation_chars: int) -> StepResult:
 
 
 class _EnvFactory:
-    """Builds one env: `env(**env_kwargs)`. Picklable when `env` is (a class, or a module-level function).
+    """Builds one env: `env(**env_kwargs)` (`build_env`: surface_variation wraps it). Picklable when `env` is (a class, or a module-level function).
 
     `described` is the env as the user gave it (a registry name, a class...), for messages.
     """
@@ -219,9 +219,13 @@ class _EnvFactory:
         self.env = env
         self.env_kwargs = env_kwargs
         self.described = described or repr(env)
+        # numbers the envs this factory builds, so a surface-varied VectorEnv renders each env's
+        # episodes differently and a rerun the same, whatever else the process built before
+        self.built = 0
 
     def __call__(self) -> TextEnv:
-        return self.env(**self.env_kwargs)
+        self.built += 1
+        return build_env(self.env, self.env_kwargs, stream=self.built - 1)
 
 
 class EnvSlot:

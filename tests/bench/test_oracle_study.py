@@ -184,3 +184,35 @@ def test_oracle_study_ci_size(tmp_path):
         assert rates[0] >= rates[-1]  # coarser with ε
     summary = result["summary"]
     assert summary["textcraft/p=0.5"]["seeds"] == 2
+
+
+@pytest.mark.slow
+def test_oracle_variation_ci_size(tmp_path):
+    """--variation: the same episodes at every level (true state, A*, `true/*` rows equal), hash cells
+    collapse to singletons at level 1, the hidden rows exist per model, and the report prints."""
+    pytest.importorskip("alfworld")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "bench.oracle_study", "--size", "ci", "--variation", "0", "1",
+           "--out", str(tmp_path), "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "under surface variation: grouping against the true state" in proc.stdout
+    result = json.loads((tmp_path / "oracle_variation_textcraft_alfworld.json").read_text())
+    assert (tmp_path / "oracle_variation_textcraft_alfworld.png").stat().st_size > 0
+    by_key = {(b["env"], b["variation"]): b for b in result["batches"]}
+    assert set(by_key) == {(e, v) for e in ("textcraft", "alfworld") for v in (0.0, 1.0)}
+    for env_name in ("textcraft", "alfworld"):
+        plain, varied = by_key[(env_name, 0.0)], by_key[(env_name, 1.0)]
+        assert varied["texts"]["true_states"] == plain["texts"]["true_states"] and varied["steps"] == plain["steps"]
+        assert varied["grouping"]["true"] == plain["grouping"]["true"]
+        assert varied["axes"]["true/pace_q"] == plain["axes"]["true/pace_q"]
+        # every rendering of a state is unique at level 1: the hash partition keeps no cell
+        assert varied["grouping"]["hash"]["singleton_rate"] == 1.0 and varied["texts"]["anchors"] == varied["steps"]
+        assert plain["grouping"]["hash"]["singleton_rate"] < 0.5
+        model = varied["models"]["ci"]
+        assert {"bipace_q", "bigpo"} <= set(model["estimators"]) and model["accuracy_layer"] == -1
+        for key, entry in model["grouping"].items():
+            assert key.startswith("hidden/ci/") and 0.0 <= entry["calibrated"]["singleton_rate"] <= 1.0
+    # TextCraft's anchor is its state: at level 0 exact matching is the truth
+    tc = by_key[("textcraft", 0.0)]["grouping"]
+    assert (tc["hash"]["purity"], tc["hash"]["split_rate"]) == (1.0, 0.0)

@@ -1,0 +1,136 @@
+"""The surface-variation learning run's report: success with intervals and paired differences to GiGPO.
+
+    python -m bench.surface_learning docs/results/surface_tiny/learning_study_cpu-surface.json
+
+Reads a finished `bench.learning_study` result (e.g. `--size cpu-surface`, or
+`--size cpu-textcraft-surface --set train_tasks=8`) and prints, per preset: training-batch
+success over the first and the last third of the steps and the final held-out success, each
+as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
+the same tasks at every step, so a preset's training-batch success minus GiGPO's on the same
+seed, averaged over the second half, removes how hard each step's tasks were), per seed and
+with its interval; and the partitions' singleton rates. Draws <json stem>_vs_gigpo.png next
+to the JSON: the paired difference to GiGPO per step (mean over seeds) and held-out success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from bench.learning_stats import paired_differences, paired_gap
+
+BASELINE = "gigpo"
+
+
+def interval(values: list[float]) -> dict[str, float]:
+    """Mean and the 95% Student-t interval half-width over seeds (NaN half-width for one value)."""
+    values = [float(v) for v in values if not math.isnan(v)]
+    if not values:
+        return {"mean": math.nan, "half_width": math.nan, "n": 0}
+    if len(values) == 1:
+        return {"mean": values[0], "half_width": math.nan, "n": 1}
+    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"mean": statistics.fmean(values), "half_width": float(half), "n": len(values)}
+
+
+def _fmt(i: dict[str, float]) -> str:
+    if not i["n"]:
+        return "–"
+    return f"{i['mean']:.3f}" if math.isnan(i["half_width"]) else f"{i['mean']:.3f} ± {i['half_width']:.3f}"
+
+
+def summarise(runs: list[dict[str, Any]], validation: str) -> dict[str, Any]:
+    """Per preset: success intervals, paired gaps to GiGPO, singleton rates."""
+    baseline = {run["seed"]: run for run in runs if run["preset"] == BASELINE}
+    out = {}
+    for preset in dict.fromkeys(run["preset"] for run in runs):
+        mine = sorted((run for run in runs if run["preset"] == preset), key=lambda run: run["seed"])
+        third = max(len(mine[0]["curve"]) // 3, 1)
+        train = lambda run, part: statistics.fmean(row["train_success"] for row in part(run["curve"]))  # noqa: E731
+        finals = [[e for e in run["evals"] if e["split"] == validation][-1]["success_rate"] for run in mine]
+        gaps = [paired_gap(run, baseline[run["seed"]]) for run in mine if run["seed"] in baseline]
+        out[preset] = {
+            "seeds": [run["seed"] for run in mine],
+            "train_first": interval([train(run, lambda c: c[:third]) for run in mine]),
+            "train_last": interval([train(run, lambda c: c[-third:]) for run in mine]),
+            "heldout_final": interval(finals),
+            "minus_gigpo_2nd_half": interval(gaps),
+            "minus_gigpo_per_seed": gaps,
+            "hash_singleton_rate": statistics.fmean(row["hash_singleton_rate"] for run in mine for row in run["curve"]),
+            "hidden_singleton_rate": statistics.fmean(row["hidden_singleton_rate"] for run in mine for row in run["curve"]),
+            "seconds": [run["seconds"] for run in mine],
+        }
+    return out
+
+
+def table(summary: dict[str, Any], warm: float) -> str:
+    lines = [
+        "| preset | train success, first third | last third | held-out final (warm start "
+        f"{warm:.3f}) | − GiGPO, paired, 2nd half (per seed) | singletons hash / hidden | run s (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for preset, s in summary.items():
+        per_seed = ", ".join(f"{g:+.2f}" for g in s["minus_gigpo_per_seed"])
+        gap = "—" if preset == BASELINE else f"{_fmt(s['minus_gigpo_2nd_half'])} ({per_seed})"
+        lines.append(
+            f"| `{preset}` | {_fmt(s['train_first'])} | {_fmt(s['train_last'])} | {_fmt(s['heldout_final'])} | {gap} "
+            f"| {s['hash_singleton_rate']:.3f} / {s['hidden_singleton_rate']:.3f} | {statistics.fmean(s['seconds']):.0f} |"
+        )
+    seeds = max(len(s["seeds"]) for s in summary.values())
+    lines.append("\nMean ± 95% t-interval half-width over seeds." if seeds > 1 else "\nOne seed: single values, no interval.")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], validation: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    baseline = {run["seed"]: run for run in runs if run["preset"] == BASELINE}
+    fig, (gap_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for preset in dict.fromkeys(run["preset"] for run in runs):
+        mine = [run for run in runs if run["preset"] == preset]
+        diffs = np.array([paired_differences(run, baseline[run["seed"]]) for run in mine if run["seed"] in baseline])
+        if len(diffs) and preset != BASELINE:
+            kernel = np.ones(5) / 5  # 5-step moving average: one step's 16 episodes are noisy
+            mean = np.convolve(diffs.mean(0), kernel, mode="valid")
+            gap_ax.plot(np.arange(len(mean)) + 3, mean, label=preset)
+        evals = [[(e["step"], e["success_rate"]) for e in run["evals"] if e["split"] == validation] for run in mine]
+        steps = [s for s, _ in evals[0]]
+        eval_ax.plot(steps, np.mean([[v for _, v in e] for e in evals], 0), marker="o", label=preset)
+    gap_ax.axhline(0, color="black", lw=0.8)
+    gap_ax.set(xlabel="step", ylabel="training success − GiGPO's (same seed)", title="paired with GiGPO (5-step mean)")
+    eval_ax.set(xlabel="step", ylabel=f"{validation} success", title="held-out success (mean over seeds)")
+    for ax in (gap_ax, eval_ax):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("result", type=Path, help="a learning_study JSON")
+    args = parser.parse_args(argv)
+    result = json.loads(args.result.read_text())
+    reports = {}
+    for env, entry in result["envs"].items():
+        validation = entry["validation_split"]
+        warm = next(e["success_rate"] for e in entry["warm_start"]["evals"] if e["split"] == validation)
+        summary = summarise(entry["runs"], validation)
+        print(f"\n{env} ({validation}):\n{table(summary, warm)}")
+        plot(entry["runs"], validation, args.result.with_name(f"{args.result.stem}_{env}_vs_gigpo.png"))
+        reports[env] = summary
+    return reports
+
+
+if __name__ == "__main__":
+    main()
