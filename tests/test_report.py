@@ -137,7 +137,7 @@ def test_train_py_ends_with_the_report_and_a_failing_page_only_warns(run_dir, ca
     trainer = SimpleNamespace(
         accelerator=SimpleNamespace(is_main_process=True), args=SimpleNamespace(output_dir=str(run_dir)),
         state=SimpleNamespace(log_history=report.load_log_history(run_dir)), eval_history=report.load_eval_history(run_dir),
-        env_class=SimpleNamespace(report_key="task_type"), save_state=lambda: saved.append(True),
+        collector=SimpleNamespace(source=SimpleNamespace(report_key="task_type")), save_state=lambda: saved.append(True),
     )  # fmt: skip
     path = train.write_run_report(trainer, "a title")
     assert path == str(run_dir / report.REPORT_FILE) and saved == [True]
