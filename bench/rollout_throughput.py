@@ -150,7 +150,7 @@ def measure_vllm(model, tokenizer, args, output_dir, result) -> None:
             run["tokens_per_s"] = run["tokens"] / run["seconds"]
             row[f"lockstep_vllm_{dtype}"] = run
         trainer.close_envs()
-        del trainer
+        trainer = None  # the next dtype's engine is built after this one is collected
         gc.collect()
 
 
