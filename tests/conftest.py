@@ -21,6 +21,16 @@ def warm_policy_dir(tmp_path_factory):
     return root / "model"
 
 
+@pytest.fixture(scope="session")
+def raw_tiny_dir(tmp_path_factory):
+    """Directory of the tiny model as initialised: it never writes the reply format."""
+    root = tmp_path_factory.mktemp("raw_tiny")
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
 @pytest.fixture
 def warm_policy(warm_policy_dir):
     """(model, tokenizer), a fresh copy of the warm-started tiny policy."""

@@ -114,18 +114,6 @@ def test_the_main_job_loads_the_shipped_adapter_by_default():
     assert (Path(train.SHIPPED_WARM_START) / "adapter_config.json").is_file()
 
 
-@pytest.fixture(scope="module")
-def raw_tiny_dir(tmp_path_factory):
-    """The tiny model as initialised: it never writes the reply format."""
-    from tests.trainer.tiny_setup import make_model, make_tokenizer
-
-    root = tmp_path_factory.mktemp("raw_tiny")
-    tokenizer = make_tokenizer()
-    make_model(tokenizer).save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return root
-
-
 @pytest.mark.slow
 def test_warm_start_then_rl_then_eval(raw_tiny_dir, tmp_path):
     """train.py's main-job path on the tiny setup: SFT on expert play makes the random policy act

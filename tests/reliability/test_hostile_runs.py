@@ -26,21 +26,10 @@ LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_tar
         "--lora_modules_to_save", "lm_head", "embed_tokens"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def raw_tiny(tmp_path_factory):
-    from tests.trainer.tiny_setup import make_model, make_tokenizer
-
-    root = tmp_path_factory.mktemp("raw_tiny")
-    tokenizer = make_tokenizer()
-    make_model(tokenizer).save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return root
-
-
 @pytest.mark.slow
-def test_resampling_that_never_finds_signal_is_logged_and_stops_within_the_step_on_sigterm(raw_tiny, tmp_path):
+def test_resampling_that_never_finds_signal_is_logged_and_stops_within_the_step_on_sigterm(raw_tiny_dir, tmp_path):
     env = dict(ENV, SIGTERM_AT_RESET="12")  # 8 resets per generation: SIGTERM in the first redraw
-    cmd = [sys.executable, str(SCRIPT), "--model", str(raw_tiny), "--out", str(tmp_path), "--steps", "3",
+    cmd = [sys.executable, str(SCRIPT), "--model", str(raw_tiny_dir), "--out", str(tmp_path), "--steps", "3",
            "--env", "tests.reliability.faulty_envs:ResampleForeverEnv", "--resample", "1000000"]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     output = done.stdout + done.stderr
@@ -53,7 +42,7 @@ def test_resampling_that_never_finds_signal_is_logged_and_stops_within_the_step_
 
 
 @pytest.mark.slow
-def test_a_warm_started_run_resumes_after_a_kill_in_its_sft_and_keeps_its_warm_start(raw_tiny, tmp_path, capsys):
+def test_a_warm_started_run_resumes_after_a_kill_in_its_sft_and_keeps_its_warm_start(raw_tiny_dir, tmp_path, capsys):
     out = tmp_path / "run"
     # What a SIGKILL during the warm start's SFT leaves: a half-saved adapter in its staging folder and no
     # checkpoint; and what an earlier killed dump left, next to the user's own notes.
@@ -62,7 +51,7 @@ def test_a_warm_started_run_resumes_after_a_kill_in_its_sft_and_keeps_its_warm_s
     (out / "rollouts").mkdir()
     (out / "rollouts" / ".step-000001.jsonl.99.partial").write_bytes(b"")
     (out / "README.md").write_text("my notes | <b>keep</b>")
-    flags = [*TINY, *LORA, "--model_name_or_path", str(raw_tiny), "--output_dir", str(out), "--warm_start_steps", "4",
+    flags = [*TINY, *LORA, "--model_name_or_path", str(raw_tiny_dir), "--output_dir", str(out), "--warm_start_steps", "4",
              "--warm_start_tasks", "2", "--save_strategy", "steps", "--save_steps", "1", "--report_to", "tensorboard",
              "--rollout_dump_steps", "1", "--resume_from_checkpoint", "true"]  # fmt: skip
 
