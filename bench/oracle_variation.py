@@ -29,6 +29,7 @@ Writes <out>/oracle_variation_<envs>.json (after every batch) and oracle_variati
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 import statistics
@@ -83,7 +84,7 @@ VARIATION_SIZES = {
 }
 
 ADAPTER = common.ROOT / "warm_starts" / "smollm2-135m-textcraft"
-HIDDEN_PRESETS = ("bipace_q", "bigpo", "bipace_diff", "bigagpo")
+HIDDEN_PRESETS = ("bipace_q", "bigpo", "bipace_diff", "bigagpo", "bihgpo", "bihpace_q")
 TINY_MODELS = ("tiny", "ci")  # cheap enough for every seed
 
 
@@ -141,8 +142,9 @@ def evaluate_base(batch) -> dict[str, Any]:
     from bench.oracle_study import Size, evaluate_batch
 
     base = evaluate_batch(batch, {}, Size(envs={}, layers=()))
-    return {"estimators": base["estimators"], "axes": base["axes"], "grouping": base["grouping"],
-            "value_proxy": base["value_proxy"], "models": {}}
+    grouping = {**base["grouping"], "hash/context": base["context"]["context"]}  # HGPO's deepest level, K = 2
+    return {"estimators": base["estimators"], "axes": base["axes"], "grouping": grouping,
+            "value_proxy": base["value_proxy"], "context": base["context"], "models": {}}
 
 
 def evaluate_model(batch, model: str, states: dict[int, torch.Tensor]) -> dict[str, Any]:
@@ -151,13 +153,34 @@ def evaluate_model(batch, model: str, states: dict[int, torch.Tensor]) -> dict[s
 
     layers, accuracy_layer = MODEL_LAYERS[model]
     r = evaluate_batch(batch, {"pretrained": states}, Size(envs={}, layers=layers, accuracy_layer=accuracy_layer))
+    grouping = {k.replace("/pretrained/", f"/{model}/"): v for k, v in r["grouping"].items() if k.startswith("hidden/")}
+    calibrated = grouping[f"hidden/{model}/{accuracy_layer}"]
+    grouping[f"hidden/{model}/{accuracy_layer}/context"] = {
+        "calibrated_eps": calibrated["calibrated_eps"],
+        "calibrated": hidden_context_quality(batch, states[accuracy_layer], calibrated["calibrated_eps"]),
+    }
     return {
         "estimators": {k: v for k, v in r["estimators"].items() if k in HIDDEN_PRESETS},
         "axes": {k: v for k, v in r["axes"].items() if k.startswith("hidden/")},
-        "grouping": {k.replace("/pretrained/", f"/{model}/"): v for k, v in r["grouping"].items() if k.startswith("hidden/")},
+        "grouping": grouping,
         "value_proxy": r["value_proxy"]["hidden"],
         "accuracy_layer": accuracy_layer,
     }
+
+
+def hidden_context_quality(batch, hidden: torch.Tensor, eps: float) -> dict[str, float]:
+    """Grouping quality of BiHGPO's deepest level: the K = 2 context cells over the hidden cells at `eps`."""
+    from bench.oracle_metrics import grouping_quality
+    from bench.oracle_study import CONTEXT_LEVELS, step_batch
+    from bipace_trainer.advantages import BatchLayout, context_partition, factorize, hidden_partition
+
+    plain = step_batch(batch, hidden=hidden)
+    layout = BatchLayout.from_batch(plain)
+    cells = context_partition(hidden_partition(plain.hidden, layout, eps), layout, CONTEXT_LEVELS).cell.numpy()
+    steps = batch.rollout.steps
+    state_ids = factorize([(s.group, t.state) for s, t in zip(steps, batch.truth)]).numpy()
+    group = [s.group for s in steps]
+    return grouping_quality(cells, state_ids, group)
 
 
 def _grouping_summary(batch) -> dict[str, Any]:
@@ -259,8 +282,9 @@ def _grouping_rows(batches) -> dict[str, list[dict[str, float]]]:
     """partition label -> per-batch {singleton_rate, purity, split_rate, eps, auc}."""
     rows: dict[str, list[dict[str, float]]] = {}
     for b in batches:
-        for partition in ("true", "hash"):
-            rows.setdefault(partition, []).append(b["grouping"][partition])
+        for partition in ("true", "hash", "hash/context"):
+            if partition in b["grouping"]:  # hash/context: runs from before HGPO have no such row
+                rows.setdefault(partition, []).append(b["grouping"][partition])
         for model in b["models"].values():
             for key, g in model["grouping"].items():
                 rows.setdefault(key, []).append({**g["calibrated"], "eps": g["calibrated_eps"],
@@ -295,25 +319,12 @@ def variation_tables(result: dict[str, Any]) -> str:
                 gs = by_level[level].get(name, [])
                 row.append(" / ".join(_fmt(_stat([g[m] for g in gs])) for m in ("singleton_rate", "purity", "split_rate")))
             lines.append(f"| {name} | " + " | ".join(row) + " |")
-        lines.append(f"\n**{env} under surface variation: Spearman of the step advantage with A\\*** (mean ± std over seeds)\n")
-        columns = [("grpo", None), ("gigpo", None), ("gagpo", None), ("hash/pace_q", None), ("true/pace_q", None)]
         models = list(dict.fromkeys(m for level in levels for b in cells[(env, level)] for m in b["models"]))
+        columns = [("grpo", None), ("gigpo", None), ("gagpo", None), ("hash/pace_q", None), ("true/pace_q", None)]
         columns += [("bipace_q", m) for m in models] + [("hidden/pace_q", m) for m in models]
-        header = [name if model is None else f"{name} ({model})" for name, model in columns]
-        lines.append("| variation | " + " | ".join(header) + " |")
-        lines.append("|---|" + "---|" * len(columns))
-        for level in levels:
-            row = []
-            for name, model in columns:
-                values, all_zero = [], []
-                for b in cells[(env, level)]:
-                    source = b if model is None else b["models"].get(model, {"estimators": {}, "axes": {}})
-                    metric = source["estimators"].get(name) or source["axes"].get(name)
-                    values.append(metric["spearman"] if metric else math.nan)
-                    all_zero.append(bool(metric) and metric["zero_rate"] == 1.0)
-                # an advantage that is 0 on every step has no rank correlation: say so instead of "–"
-                row.append("all 0" if all_zero and all(all_zero) else _fmt(_stat(values)))
-            lines.append(f"| {level} | " + " | ".join(row) + " |")
+        lines += _spearman_table(f"**{env} under surface variation: Spearman of the step advantage with A\\*** "
+                                 "(mean ± std over seeds)", columns, levels, [cells[(env, level)] for level in levels])
+        lines += _hierarchy_table(env, models, levels, [cells[(env, level)] for level in levels])
         lines.append(f"\n**{env}: cost per batch** (seconds: rollout, then hidden states per model: prompts computed)\n")
         lines.append("| variation | seed | rollout s | hidden states |")
         lines.append("|---|---|---|---|")
@@ -326,6 +337,44 @@ def variation_tables(result: dict[str, Any]) -> str:
                 lines.append(f"| {level} | {b['seed']} | {b['seconds']['rollout']:.0f} | {hid} |")
     lines.append(f"\ntotal {result.get('seconds_total', 0):.0f} s")
     return "\n".join(lines)
+
+
+def _spearman_table(title: str, columns, levels, batches_per_level) -> list[str]:
+    """Markdown lines: one row per level, one column per (estimator or axis, model or None)."""
+    lines = [f"\n{title}\n", "| variation | " + " | ".join(
+        name if model is None else f"{name} ({model})" for name, model in columns) + " |", "|---|" + "---|" * len(columns)]
+    for level, batches in zip(levels, batches_per_level):
+        lines.append(f"| {level} | " + " | ".join(_spearman_cell(batches, name, model) for name, model in columns) + " |")
+    return lines
+
+
+def _hierarchy_table(env: str, models: list[str], levels, batches_per_level) -> list[str]:
+    """Spearman with A* of each partition x level baseline (w_ep = 0), flat -> with HGPO's K = 2 levels."""
+    lines = [f"\n**{env} under surface variation: Spearman with A\\*, flat → with HGPO's levels** (K = 2, w_ep = 0; "
+             "hash + mean is `gigpo` → `hgpo`, hidden + mean `bigpo` → `bihgpo`, hidden + PACE-Q `bipace_q` → "
+             "`bihpace_q`; mean ± std over seeds)\n",
+             "| partition | level baseline | " + " | ".join(f"v = {level}" for level in levels) + " |",
+             "|---|---|" + "---|" * len(levels)]
+    rows = [(partition, None) for partition in ("hash", "true")] + [("hidden", model) for model in models]
+    for (partition, model), (baseline, hierarchy) in itertools.product(rows, (("mean", "hierarchy"),
+                                                                             ("pace_q", "hierarchy_pace_q"))):
+        cells = [f"{_spearman_cell(batches, f'{partition}/{baseline}', model)} → "
+                 f"{_spearman_cell(batches, f'{partition}/{hierarchy}', model)}" for batches in batches_per_level]
+        label = partition if model is None else f"hidden ({model})"
+        lines.append(f"| {label} | {baseline} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _spearman_cell(batches, name: str, model: str | None) -> str:
+    """Mean ± std over `batches` of the Spearman with A* of an estimator or axis (of `model`'s hidden rows)."""
+    values, all_zero = [], []
+    for b in batches:
+        source = b if model is None else b["models"].get(model, {"estimators": {}, "axes": {}})
+        metric = source["estimators"].get(name) or source["axes"].get(name)
+        values.append(metric["spearman"] if metric else math.nan)
+        all_zero.append(bool(metric) and metric["zero_rate"] == 1.0)
+    # an advantage that is 0 on every step has no rank correlation: say so instead of "–"
+    return "all 0" if all_zero and all(all_zero) else _fmt(_stat(values))
 
 
 def variation_plot(result: dict[str, Any], path: Path) -> None:

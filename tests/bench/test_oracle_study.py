@@ -197,6 +197,7 @@ def test_oracle_variation_ci_size(tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "under surface variation: grouping against the true state" in proc.stdout
+    assert "flat → with HGPO's levels" in proc.stdout
     result = json.loads((tmp_path / "oracle_variation_textcraft_alfworld.json").read_text())
     assert (tmp_path / "oracle_variation_textcraft_alfworld.png").stat().st_size > 0
     by_key = {(b["env"], b["variation"]): b for b in result["batches"]}
@@ -210,9 +211,18 @@ def test_oracle_variation_ci_size(tmp_path):
         assert varied["grouping"]["hash"]["singleton_rate"] == 1.0 and varied["texts"]["anchors"] == varied["steps"]
         assert plain["grouping"]["hash"]["singleton_rate"] < 0.5
         model = varied["models"]["ci"]
-        assert {"bipace_q", "bigpo"} <= set(model["estimators"]) and model["accuracy_layer"] == -1
+        assert {"bipace_q", "bigpo", "bihgpo", "bihpace_q"} <= set(model["estimators"]) and model["accuracy_layer"] == -1
+        assert {"hidden/hierarchy", "hidden/hierarchy_pace_q"} <= set(model["axes"])
         for key, entry in model["grouping"].items():
             assert key.startswith("hidden/ci/") and 0.0 <= entry["calibrated"]["singleton_rate"] <= 1.0
+        # HGPO's context cells refine the cells they split: never fewer singletons than their base
+        for base, context in (("hash", "hash/context"), ("hidden/ci/-1", "hidden/ci/-1/context")):
+            source = plain["grouping"] if base == "hash" else plain["models"]["ci"]["grouping"]
+            rates = [source[k] if base == "hash" else source[k]["calibrated"] for k in (base, context)]
+            assert rates[1]["singleton_rate"] >= rates[0]["singleton_rate"]
+            assert rates[1]["split_rate"] >= rates[0]["split_rate"]
+        # the level-0 cells of the hierarchy are the flat partition: the true partition's hierarchy is defined
+        assert {"true/hierarchy", "hash/hierarchy"} <= set(plain["axes"])
     # TextCraft's anchor is its state: at level 0 exact matching is the truth
     tc = by_key[("textcraft", 0.0)]["grouping"]
     assert (tc["hash"]["purity"], tc["hash"]["split_rate"]) == (1.0, 0.0)
