@@ -16,8 +16,8 @@ What the page reads from the run's output directory (nothing else, no network):
   by the advantage's sign and size. Clicking a step lists the other steps of its cell (the
   state partition's cell, the steps its baseline compared it with); the PACE branch, GAGPO's
   GAE terms (V̄, next V̄, δ, their discounted sum, the centred penalty, the group's mean and
-  std) and any other per-turn field a dump carries are shown. Filters select episodes by dump (the step),
-  outcome and task type.
+  std) and any other per-turn field a dump carries are shown. Filters select episodes by dump
+  (the step), outcome and task type.
 
 The curves are plotly figures whose JavaScript is inlined once (`plotly.offline.get_plotlyjs`),
 so the page opens offline. Every env or model text is HTML-escaped with its control characters

@@ -22,6 +22,7 @@ rank; `rank` says which.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .advantages import BatchLayout, StepEstimate, step_returns
-from .advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON
+from .advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, GaeTerms
 from .prompting import safe_text
 from .rollout import Rollout
 
@@ -56,7 +57,7 @@ TURN_FIELDS = (
     "reward", "return", "advantage", "cluster", "branch", "levels", "gae", "done",
 )  # fmt: skip
 # A step's `gae` entry: `baselines.GaeTerms`, field by field.
-GAE_FIELDS = ("value", "next_value", "delta", "discounted_sum", "penalty", "group_mean", "group_std", "shared")
+GAE_FIELDS = tuple(field.name for field in dataclasses.fields(GaeTerms))
 
 
 def _levels(levels) -> list[list[dict[str, Any]] | None]:

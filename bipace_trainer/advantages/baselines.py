@@ -98,9 +98,9 @@ class GaeTerms:
     """What `gae_baseline` computed per step, (N,) each (module docstring, "gae in full"), so a
     reader of a dump can redo the step's A^s from its own row and its trajectory's:
 
-        delta         = reward + γ next_value - value
+        delta          = reward + γ next_value - value
         discounted_sum = Σ_k (γλ)^k delta_{t+k}
-        A^s           = (discounted_sum - penalty - group_mean) / (group_std + 1e-6)  if shared, else 0
+        A^s            = (discounted_sum - penalty - group_mean) / (group_std + 1e-6)  if shared, else 0
 
     Attributes:
         value: V̄(s_t), float64, the mean env return-to-go R^env of the step's cell.
