@@ -14,9 +14,10 @@ What the page reads from the run's output directory (nothing else, no network):
 - `rollouts/*.jsonl` (`--rollout_dump_steps`, format in `trajectories`): every episode, each
   turn with its observation, reply, parsed action, reward, return R_t and advantage, coloured
   by the advantage's sign and size. Clicking a step lists the other steps of its cell (the
-  state partition's cell, the steps its baseline compared it with); the PACE branch and any
-  other per-turn field a dump carries are shown. Filters select episodes by dump (the step),
-  outcome and task type.
+  state partition's cell, the steps its baseline compared it with); the PACE branch, GAGPO's
+  GAE terms (V̄, next V̄, δ, their discounted sum, the centred penalty, the group's mean and
+  std) and any other per-turn field a dump carries are shown. Filters select episodes by dump
+  (the step), outcome and task type.
 
 The curves are plotly figures whose JavaScript is inlined once (`plotly.offline.get_plotlyjs`),
 so the page opens offline. Every env or model text is HTML-escaped with its control characters
@@ -57,9 +58,14 @@ DIAGNOSTIC_PREFIXES = ("estimator/", "advantage/")
 # The task attributes an env reports success by (`TextEnv.report_key` of the shipped envs), in the
 # order the filter prefers them when the page is not told the env.
 KNOWN_TYPE_KEYS = ("task_type", "category", "task_name", "depth", "distance")
-# Per-turn fields with a column of their own; any other field a dump carries (GAE terms, ...) is listed.
+# Per-turn fields the page lays out itself (a column, or a line of the credit column: branch, GAE
+# terms); any other field a dump carries (HGPO levels, ...) is listed as it is.
 TURN_COLUMNS = ("turn", "observation", "prompt_tail", "reply", "action", "valid", "reward", "return", "advantage",
-                "cluster", "branch", "done")  # fmt: skip
+                "cluster", "branch", "gae", "done")  # fmt: skip
+# A step's GAE terms (`trajectories.GAE_FIELDS`) in the order and format the credit column shows them.
+GAE_LABELS = (("value", "V̄", ".3f"), ("next_value", "next V̄", ".3f"), ("delta", "δ", "+.3f"),
+              ("discounted_sum", "Σ(γλ)ᵏδ", "+.3f"), ("penalty", "penalty", "+.3f"),
+              ("group_mean", "group mean", "+.3f"), ("group_std", "group std", ".3f"))  # fmt: skip
 # Beyond this many episodes per dump the page shows the first ones and says so (a recipe's dump
 # holds 128 episodes of up to 50 turns; a page of 15 such dumps would not open).
 DEFAULT_MAX_EPISODES = 256
@@ -301,12 +307,27 @@ def _pre(value: Any, css: str = "") -> str:
     return f'<pre class="{css}">{escape_text(value)}</pre>'
 
 
+def gae_html(gae: Any) -> str:
+    """GAGPO's terms of a step (`baselines.GaeTerms`) as one block of the credit column (a step alone
+    in its cell says so instead of its group's μ and σ); a dump's `gae` that is not an object is
+    shown as it is, a field of the wrong type as its escaped text."""
+    if not isinstance(gae, dict):
+        return f"gae {escape_text(gae)}"
+    alone = gae.get("shared") is False  # its group's μ and σ did not touch it
+    labels = GAE_LABELS[:-2] if alone else GAE_LABELS
+    terms = ", ".join(f"{label} {_number(gae.get(name), fmt)}" for name, label, fmt in labels)
+    title = "A^s = (Σ(γλ)ᵏδ − penalty − group mean) / (group std + 1e-6); δ = r + γ·next V̄ − V̄"
+    note = "; alone in its cell: A<sup>s</sup> 0" if alone else ""
+    return f'<div class="gae" title="{escape_text(title)}">GAE: {terms}{note}</div>'
+
+
 def turn_row(turn: dict[str, Any], ids: dict[str, str], scale: float) -> str:
     """One turn as a <tr>: its cell key (dump, rank, cell) in `data-cell`, its advantage as colour."""
     cell = turn.get("cluster")
     cell_key = f"{ids['dump']}:{ids['rank']}:{cell}" if cell is not None else ""
     extras = {k: v for k, v in turn.items() if k not in TURN_COLUMNS}
     details = [f"branch {escape_text(turn['branch'])}"] if turn.get("branch") is not None else []
+    details += [gae_html(turn["gae"])] if turn.get("gae") is not None else []
     details += [f"{escape_text(k)} {_number(v) if isinstance(v, float) else escape_text(v)}" for k, v in extras.items()]
     action = escape_text(turn.get("action"))
     if not turn.get("valid", True):

@@ -8,7 +8,9 @@ Each episode starts with a one-line summary (episode id, task, won or not, turns
 invalid replies, env reward), then every turn: the observation the env showed, the
 reply, the parsed action (marked when invalid), the reward, the return R_t, and the
 advantage, green when positive and red when negative, with the cell (cluster id) and
-PACE branch that produced it, and under HGPO each context level's advantage (`*`: used).
+PACE branch that produced it, under HGPO each context level's advantage (`*`: used), and
+under GAGPO the GAE terms of the advantage (V̄, next V̄, δ, their discounted sum, the
+centred penalty, and the group's mean and std that normalise it).
 Files come from `--rollout_dump_steps` (`bipace_trainer.trajectories`).
 
 The file is read line by line (a dump of any size takes one episode's memory). A line
@@ -164,6 +166,8 @@ def render_episode(episode: dict[str, Any], color: bool = False) -> str:
         out.append(" " * 13 + "  ".join(numbers))
         if isinstance(turn.get("levels"), list):
             out.append(" " * 13 + _levels_line(turn["levels"], style))
+        if isinstance(turn.get("gae"), dict):
+            out.append(" " * 13 + _gae_line(turn["gae"], style))
     return "\n".join(out)
 
 
@@ -201,6 +205,29 @@ def _levels_line(levels: list[dict[str, Any]], style: _Style) -> str:
         for level in levels if isinstance(level, dict)
     ]
     return "levels  " + "  ".join(parts)
+
+
+def _gae_line(gae: dict[str, Any], style: _Style) -> str:
+    """`gae  V̄ 0.450  next 0.900  δ +0.405  Σ +0.380  penalty +0.000  group mean +0.100 std 0.300`:
+    GAGPO's terms (`baselines.GaeTerms`), A^s = (Σ − penalty − mean) / (std + 1e-6); a step alone
+    in its cell gets A^s = 0 and says so instead of the group's mean and std. A field of the
+    wrong type shows as –."""
+
+    def value(name: str) -> float | None:
+        return gae[name] if _is_number(gae.get(name)) else None
+
+    def plain(name: str) -> str:
+        return "–" if value(name) is None else f"{value(name):.3f}"
+
+    parts = [
+        f"V̄ {plain('value')}", f"next {plain('next_value')}", f"δ {style.signed(value('delta'))}",
+        f"Σ {style.signed(value('discounted_sum'))}", f"penalty {style.signed(value('penalty'))}",
+    ]  # fmt: skip
+    if gae.get("shared") is False:  # its group's μ and σ did not touch it
+        parts.append("(alone in its cell: A^s 0)")
+    else:
+        parts.append(f"group mean {style.signed(value('group_mean'))} std {plain('group_std')}")
+    return "gae  " + "  ".join(parts)
 
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:

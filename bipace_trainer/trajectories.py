@@ -9,7 +9,10 @@ prompt, the reply, the parsed action and whether it was valid, the env reward, t
 return-to-go R_t the estimator used, the advantage, the state-partition cell (cluster
 id) and the PACE branch (`pace`, `loo` or `singleton`); under the `hierarchy` baseline
 (HGPO) also `levels`, one entry per context level the step has: level k, its cell and
-the cell's size, the level's advantage a_k and whether it entered the weighted mean.
+the cell's size, the level's advantage a_k and whether it entered the weighted mean; under
+the `gae` baseline (GAGPO) also `gae`, the terms of the step's advantage (`GAE_FIELDS`,
+`baselines.GaeTerms`): V̄(s_t), V̄(s_{t+1}), δ_t, the discounted sum Σ (γλ)^k δ_{t+k}, the
+centred penalty, and the task group's μ and σ that normalise it.
 Evaluation rollouts are not trained on: their rows have R_t but no advantage, cell or branch.
 
 An episode record (one JSONL line, `python -m bipace_trainer.show` renders it) holds
@@ -19,6 +22,7 @@ rank; `rank` says which.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,12 +31,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .advantages import BatchLayout, StepEstimate, step_returns
-from .advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON
+from .advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, GaeTerms
 from .prompting import safe_text
 from .rollout import Rollout
 
 __all__ = [
     "PROMPT_TAIL_TOKENS",
+    "GAE_FIELDS",
     "step_rows",
     "episode_records",
     "fill_completion_logs",
@@ -49,8 +54,10 @@ PROMPT_TAIL_TOKENS = 192  # the end of the prompt, what the reply answers (the o
 BRANCH_NAMES = {BRANCH_PACE: "pace", BRANCH_LOO: "loo", BRANCH_SINGLETON: "singleton"}
 TURN_FIELDS = (
     "turn", "observation", "prompt_tail", "reply", "action", "valid",
-    "reward", "return", "advantage", "cluster", "branch", "levels", "done",
+    "reward", "return", "advantage", "cluster", "branch", "levels", "gae", "done",
 )  # fmt: skip
+# A step's `gae` entry: `baselines.GaeTerms`, field by field.
+GAE_FIELDS = tuple(field.name for field in dataclasses.fields(GaeTerms))
 
 
 def _levels(levels) -> list[list[dict[str, Any]] | None]:
@@ -67,6 +74,12 @@ def _levels(levels) -> list[list[dict[str, Any]] | None]:
             ]
         )
     return rows
+
+
+def _gae(terms) -> list[dict[str, Any]]:
+    """Per step, its GAE terms (`baselines.GaeTerms`) as a plain dict keyed by `GAE_FIELDS`."""
+    columns = [getattr(terms, name).tolist() for name in GAE_FIELDS]
+    return [dict(zip(GAE_FIELDS, values)) for values in zip(*columns)]
 
 
 def _returns(rollout: Rollout, gamma: float, invalid_penalty: float) -> list[float]:
@@ -103,9 +116,10 @@ def step_rows(
         cells = estimate.cell.tolist() if estimate.cell is not None else [None] * len(steps)
         branches = [BRANCH_NAMES[b] for b in estimate.branch.tolist()] if estimate.branch is not None else [None] * len(steps)
         levels = _levels(estimate.levels) if getattr(estimate, "levels", None) is not None else [None] * len(steps)
+        gae = _gae(estimate.gae) if getattr(estimate, "gae", None) is not None else [None] * len(steps)
     else:
         returns = _returns(rollout, gamma, invalid_penalty)
-        advantages = cells = branches = levels = [None] * len(steps)
+        advantages = cells = branches = levels = gae = [None] * len(steps)
     rows = []
     for i, step in enumerate(steps):
         episode = episodes[step.traj]
@@ -128,6 +142,7 @@ def step_rows(
                 "cluster": cells[i],
                 "branch": branches[i],
                 "levels": levels[i],
+                "gae": gae[i],
                 "done": step.t == episode.length - 1 and not episode.truncated,  # this step ended its episode
             }
         )

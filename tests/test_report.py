@@ -13,6 +13,12 @@ from bipace_trainer import report
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>\x00\x1b[31m\u2028end'
 
 
+# GAGPO's terms of a step (`trajectories.GAE_FIELDS`), one of them of the wrong type
+GAE_SHARED = {"value": 0.45, "next_value": 0.9, "delta": 0.405, "discounted_sum": 0.38, "penalty": -0.05,
+              "group_mean": 0.1, "group_std": 0.3, "shared": True}  # fmt: skip
+GAE_ALONE = dict(GAE_SHARED, shared=False, value=1.0, delta=HOSTILE)
+
+
 def _turn(turn, action, ret, advantage, cluster, branch="pace", **extra):
     return {"turn": turn, "observation": f"obs {turn} {HOSTILE}", "prompt_tail": "", "reply": f"<action>{action}</action>",
             "action": action, "valid": True, "reward": 0.0, "return": ret, "advantage": advantage, "cluster": cluster,
@@ -48,9 +54,9 @@ def run_dir(tmp_path):
     rollouts = tmp_path / "rollouts"
     rollouts.mkdir()
     step1 = [  # cell 5 holds episode 0 turn 0, episode 1 turn 0 and episode 2 turn 1; cell 9 only episode 0 turn 1
-        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5), _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
-        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5)]),
-        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton"), _turn(1, "left", 0.0, -0.2, 5)]),
+        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED), _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
+        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE)]),
+        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE), _turn(1, "left", 0.0, -0.2, 5)]),
     ]
     step2 = [_episode(0, True, "b", [_turn(0, "left", 1.0, 0.5, 5)], rank=1)]  # same cell number, other batch
     for name, episodes in (("step-000001.jsonl", step1), ("eval-final-step-000002.jsonl", step2)):
@@ -82,6 +88,11 @@ def test_the_page_holds_every_episode_escaped_with_cells_and_offline(run_dir):
         "background-color: rgba(215,58,73")
     assert rows["e0-0-2-t0"] == ""
     assert "gae_delta 0.250" in page and "branch pace" in page  # other per-turn fields are shown, not dropped
+    # GAGPO's terms in the credit column; a step alone in its cell shows no group μ, σ; wrong types escaped
+    assert ("GAE: V̄ 0.450, next V̄ 0.900, δ +0.405, Σ(γλ)ᵏδ +0.380, penalty -0.050, group mean +0.100, "
+            "group std 0.300</div>") in page  # fmt: skip
+    assert f"GAE: V̄ 1.000, next V̄ 0.900, δ {report.escape_text(HOSTILE)}, Σ(γλ)ᵏδ +0.380, penalty -0.050; alone" in page
+    assert f"gae {report.escape_text(HOSTILE)}" in page and page.count('<div class="gae"') == 2
     # filters list what the episodes hold
     assert '<option value="task_type=a">task_type=a (2)</option>' in page
     assert '<option value="won">won (2)</option>' in page and '<option value="truncated">truncated (2)</option>' in page

@@ -1,6 +1,6 @@
 """The report of a real tiny run, opened in headless Chromium: it loads without a console error,
-shows every dumped episode, a click on a step lists the other steps of its cell, the filters
-work, and env text holding markup never runs as code.
+shows every dumped episode, a click on a step lists the other steps of its cell, each with its
+GAE terms (the run is GAGPO's), the filters work, and env text holding markup never runs as code.
 
 Needs Debian's chromium (`apt-get update && apt-get install -y chromium`) and playwright from PyPI
 (the `dev` extra) driving it; `playwright install` (a download) is never needed. Without
@@ -68,12 +68,23 @@ def shared_cells(dump: Path) -> dict[tuple[int, int], list[str]]:
     return cells
 
 
+def gae_terms(dump: Path) -> dict[str, dict]:
+    """{row id: the step's `gae` terms} of a training dump (the page's ids)."""
+    terms = {}
+    for line in dump.read_text().splitlines():
+        episode = json.loads(line)
+        for turn in episode["turns"]:
+            terms[f"e0-{episode['rank']}-{episode['episode']}-t{turn['turn']}"] = turn["gae"]
+    return terms
+
+
 @pytest.mark.slow
 @needs_chromium
 def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_path):
     model, tokenizer = warm_policy
     run = tmp_path / "run"
-    args = tiny_args(run, preset="gigpo", max_steps=2, rollout_dump_steps=1)  # hash cells: anchors repeat in the tiny env
+    # gagpo: hash cells (anchors repeat in the tiny env), and GAE terms on every training step
+    args = tiny_args(run, preset="gagpo", max_steps=2, rollout_dump_steps=1)
     trainer = BiPACETrainer(model, args=args, processing_class=tokenizer, peft_config=LoraConfig(**LORA))
     try:
         trainer.train()
@@ -106,6 +117,12 @@ def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_p
     labels = [page.locator(f"#{other}").get_attribute("data-label") for other in members[1:]]
     assert sorted(peers.locator("a").all_inner_texts()) == sorted(labels)
     assert sorted(page.locator("tr.step.peer").evaluate_all("rows => rows.map(r => r.id)")) == sorted(members[1:])
+    # the clicked step shows its GAE terms as the dump holds them, and so does each peer in the list
+    dumped = gae_terms(run / "rollouts" / "step-000001.jsonl")[row_id]
+    terms = page.locator(f"#{row_id} div.gae").inner_text()
+    assert terms.startswith(f"GAE: V̄ {dumped['value']:.3f}, next V̄ {dumped['next_value']:.3f}, δ {dumped['delta']:+.3f}")
+    assert f"Σ(γλ)ᵏδ {dumped['discounted_sum']:+.3f}" in terms
+    assert all("GAE: V̄" in item for item in peers.all_inner_texts())
     # a peer's link opens its episode
     last = members[-1]
     peers.locator("a", has_text=page.locator(f"#{last}").get_attribute("data-label")).first.click()

@@ -17,7 +17,8 @@ Map from SPEC to code:
                                presets.compute_advantages, presets.StepAdvantageEstimator
                                (the one owner of "auto" ε and its fallback: eps_in_use)
     §5 diagnostics             the dict returned by compute_advantages; per step (return,
-                               cell, PACE branch): presets.estimate_advantages
+                               cell, PACE branch, HGPO levels, GAE terms: baselines.GaeTerms):
+                               presets.estimate_advantages
 """
 
 from .baselines import BASELINES

@@ -27,6 +27,8 @@ The penalty is not a reward: it enters the invalid step's own Â once, centred o
 cell like every other baseline's, and no δ (a penalty inside r_t would hand the step
 *before* an invalid action a net bonus of γ(1-λ)p). At λ = 1 the sum telescopes to
 Â_t = R_t - mean_C R with the penalised returns R, as for `mean` without the std.
+`gae_baseline` returns these terms per step too (`GaeTerms`: V̄, δ, the discounted sum, the
+centred penalty, μ_B, σ_B), so a rollout dump shows how each step's A^s came about.
 
 `hierarchy` in full (HGPO; `hierarchy_baseline`), over the levels G_0 ⊇ ... ⊇ G_K of a
 `LevelledPartition` (a flat partition is one level), for the levels step i has (k <= t):
@@ -57,6 +59,7 @@ from .returns import EPS, discounted_cumsum_grid
 
 __all__ = [
     "BaselineResult",
+    "GaeTerms",
     "LevelDetail",
     "mean_baseline",
     "pace_q_baseline",
@@ -91,6 +94,36 @@ class LevelDetail:
 
 
 @dataclass
+class GaeTerms:
+    """What `gae_baseline` computed per step, (N,) each (module docstring, "gae in full"), so a
+    reader of a dump can redo the step's A^s from its own row and its trajectory's:
+
+        delta          = reward + γ next_value - value
+        discounted_sum = Σ_k (γλ)^k delta_{t+k}
+        A^s            = (discounted_sum - penalty - group_mean) / (group_std + 1e-6)  if shared, else 0
+
+    Attributes:
+        value: V̄(s_t), float64, the mean env return-to-go R^env of the step's cell.
+        next_value: V̄(s_{t+1}), float64; after the last step 0, or R_L when a truncated
+            trajectory is bootstrapped (`bootstrap_truncated`).
+        delta: δ_t, float64, the TD residual.
+        discounted_sum: G_t = δ_t + γλ G_{t+1}, float64.
+        penalty: p_t - mean_C p, float64, the invalid-action penalty centred on the cell (Â_t = G_t - penalty).
+        group_mean, group_std: μ_B and σ_B, float64, of Â over the shared steps of the task group.
+        shared: bool, the cell holds other steps; a step alone gets A^s = 0 and stays out of μ_B, σ_B.
+    """
+
+    value: torch.Tensor
+    next_value: torch.Tensor
+    delta: torch.Tensor
+    discounted_sum: torch.Tensor
+    penalty: torch.Tensor
+    group_mean: torch.Tensor
+    group_std: torch.Tensor
+    shared: torch.Tensor
+
+
+@dataclass
 class BaselineResult:
     """A^s (N,) float64, and for PACE the branch each step took (N,) int64 or None."""
 
@@ -98,6 +131,7 @@ class BaselineResult:
     branch: torch.Tensor | None = None
     keys_per_cell: torch.Tensor | None = None  # (num_cells,) distinct action keys
     levels: LevelDetail | None = None  # per-level detail of `hierarchy`
+    gae: GaeTerms | None = None  # per-step terms of `gae`
 
 
 def _divide_by_cell_std(centred, std, cell):
@@ -195,6 +229,22 @@ def pace_diff_baseline(
     )
 
 
+def _gae_pieces(env_returns, partition, layout, gamma, lam, penalty):
+    """`grouped_gae`'s terms, (N,) each: V̄(s_t), δ_t, G_t and the centred penalty p_t - mean_C p."""
+    cell = partition.cell
+    _, value, _ = segment_mean_std(env_returns, cell, partition.num_cells)
+    # δ_t = (R_t - V̄_t) - γ (R_{t+1} - V̄_{t+1}), the same sum grouped so that a cell
+    # whose returns all equal its mean contributes exactly 0
+    excess = layout.to_grid(env_returns - value[cell])
+    delta = excess - gamma * torch.nn.functional.pad(excess[:, 1:], (0, 1))
+    discounted_sum = layout.from_grid(discounted_cumsum_grid(delta, gamma * lam))
+    centred = torch.zeros_like(env_returns)
+    if penalty is not None and bool(penalty.any()):
+        _, mean_penalty, _ = segment_mean_std(penalty, cell, partition.num_cells)
+        centred = penalty - mean_penalty[cell]  # exactly 0 in a cell of equal penalties
+    return value[cell], layout.from_grid(delta), discounted_sum, centred
+
+
 def grouped_gae(
     env_returns: torch.Tensor,
     partition: Partition,
@@ -221,17 +271,16 @@ def grouped_gae(
     Returns:
         (N,) float64 Â.
     """
-    cell = partition.cell
-    _, value, _ = segment_mean_std(env_returns, cell, partition.num_cells)
-    # δ_t = (R_t - V̄_t) - γ (R_{t+1} - V̄_{t+1}), the same sum grouped so that a cell
-    # whose returns all equal its mean contributes exactly 0
-    excess = layout.to_grid(env_returns - value[cell])
-    delta = excess - gamma * torch.nn.functional.pad(excess[:, 1:], (0, 1))
-    gae = layout.from_grid(discounted_cumsum_grid(delta, gamma * lam))
-    if penalty is None or not bool(penalty.any()):
-        return gae
-    _, mean_penalty, _ = segment_mean_std(penalty, cell, partition.num_cells)
-    return gae - (penalty - mean_penalty[cell])  # exactly 0 in a cell of equal penalties
+    _, _, discounted_sum, centred = _gae_pieces(env_returns, partition, layout, gamma, lam, penalty)
+    return discounted_sum - centred
+
+
+def _next_value(value: torch.Tensor, layout: BatchLayout, next_value: torch.Tensor | None) -> torch.Tensor:
+    """V̄(s_{t+1}) per step: the next step's V̄ along the trajectory; after the last step the
+    bootstrap R_L of a truncated trajectory (`next_value`, 0 elsewhere), else 0."""
+    grid = layout.to_grid(value)
+    following = layout.from_grid(torch.nn.functional.pad(grid[:, 1:], (0, 1)))
+    return following if next_value is None else following + next_value
 
 
 def gae_baseline(
@@ -243,6 +292,7 @@ def gae_baseline(
     lam: float,
     penalty: torch.Tensor | None = None,
     env_returns: torch.Tensor | None = None,
+    next_value: torch.Tensor | None = None,
     **_,
 ) -> BaselineResult:
     """GAGPO: `grouped_gae`, then A^s = (Â - μ_B) / (σ_B + 1e-6) within each task group B.
@@ -254,15 +304,25 @@ def gae_baseline(
         returns: (N,) float64 step returns R = R^env - p; layout: the batch layout.
         penalty: (N,) float64 invalid-action penalty p of each step, or None (no penalty).
         env_returns: (N,) float64 R^env, exact (the estimator passes it); None: R + p.
+        next_value: (N,) float64 R_L on the last step of a bootstrapped truncated trajectory,
+            0 elsewhere (`returns.truncation_value`), or None; R^env already holds it, so it
+            only names V̄(s_L) in the terms (`GaeTerms.next_value`).
+    Returns:
+        `BaselineResult` with `gae` (`GaeTerms`).
     """
     if env_returns is None:
         env_returns = returns if penalty is None else returns + penalty
-    gae = grouped_gae(env_returns, partition, layout, gamma, lam, penalty)
+    value, delta, discounted_sum, centred = _gae_pieces(env_returns, partition, layout, gamma, lam, penalty)
+    gae = discounted_sum - centred
     shared = partition.step_cell_size() > 1
     group = layout.group_index
     _, group_mean, group_std = segment_mean_std(gae[shared], group[shared], layout.num_groups)
     normalised = (gae - group_mean[group]) / (group_std[group] + EPS)
-    return BaselineResult(torch.where(shared, normalised, torch.zeros_like(normalised)))
+    terms = GaeTerms(
+        value, _next_value(value, layout, next_value), delta, discounted_sum, centred,
+        group_mean[group], group_std[group], shared,
+    )  # fmt: skip
+    return BaselineResult(torch.where(shared, normalised, torch.zeros_like(normalised)), gae=terms)
 
 
 def hgpo_level_mean(returns: torch.Tensor, partition: Partition, *, norm: str = "mean_std", **_) -> BaselineResult:

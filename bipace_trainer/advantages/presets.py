@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, LevelDetail
+from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, GaeTerms, LevelDetail
 from .partition import PARTITIONS, Partition, PartitionKind, bisect_eps, context_partition, resolve_partition
 from .records import BatchLayout, StepBatch
 from .returns import discounted_cumsum, episode_advantage, step_returns, truncation_value
@@ -333,6 +333,9 @@ class StepEstimate:
             or None for the other baselines.
         levels: per step and context level, cell, size, advantage and whether it was used
             (`baselines.LevelDetail`, (N, K+1) each) under `baseline="hierarchy"`; else None.
+        gae: per step, the terms of GAGPO's advantage (V̄, δ, the discounted sum, the
+            centred penalty, the group's μ and σ: `baselines.GaeTerms`) under `baseline="gae"`;
+            else None.
     """
 
     advantage: torch.Tensor
@@ -341,6 +344,7 @@ class StepEstimate:
     cell: torch.Tensor | None = None
     branch: torch.Tensor | None = None
     levels: LevelDetail | None = None
+    gae: GaeTerms | None = None
 
 
 def compute_advantages(
@@ -365,8 +369,8 @@ def compute_advantages(
 def estimate_advantages(
     batch: StepBatch, settings: EstimatorSettings, *, cluster_eps: float | None = None
 ) -> StepEstimate:
-    """`compute_advantages` plus each step's return, cell and PACE branch (`StepEstimate`);
-    the advantages are the very same tensor values."""
+    """`compute_advantages` plus each step's return, cell, PACE branch, HGPO levels or GAE
+    terms (`StepEstimate`); the advantages are the very same tensor values."""
     return _estimate_once(batch, settings, cluster_eps, per_step=True)
 
 
@@ -415,6 +419,7 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
             lam=settings.lam,
             penalty=penalty,
             env_returns=env_returns,
+            next_value=next_value,
             episode_advantage=ep_adv,
             level_baseline=settings.level_baseline,
             level_alpha=settings.level_alpha,
@@ -437,6 +442,7 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         estimate.cell = partition.cell if partition is not None else None
         estimate.branch = step_result.branch if step_result is not None else None
         estimate.levels = step_result.levels if step_result is not None else None
+        estimate.gae = step_result.gae if step_result is not None else None
     return estimate
 
 

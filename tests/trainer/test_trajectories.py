@@ -1,5 +1,6 @@
 """A real run records what the agent did: rollout dumps (training and evaluation) and TRL's
-completions table, and a dump that cannot be written never stops training."""
+completions table, GAGPO's GAE terms in its dumps, and a dump that cannot be written never
+stops training."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from peft import LoraConfig
 
 from bipace_trainer import BiPACETrainer
+from bipace_trainer.trajectories import GAE_FIELDS
 
 from .tiny_setup import LORA, tiny_args
 
@@ -64,6 +66,35 @@ def test_dumps_and_completion_tables_show_every_step(warm_policy, tmp_path):
     assert len(evaluation) == final["num_tasks"] and {e["split"] for e in evaluation} == {"eval"}
     assert sum(e["won"] for e in evaluation) / len(evaluation) == final["success_rate"]
     assert all(t["advantage"] is None and t["return"] is not None for e in evaluation for t in e["turns"])
+
+
+@pytest.mark.slow
+def test_a_gagpo_run_dumps_the_gae_terms_that_redo_each_advantage(warm_policy, tmp_path):
+    model, tokenizer = warm_policy
+    run = tmp_path / "run"
+    args = tiny_args(run, preset="gagpo", rollout_dump_steps=1, max_steps=1, evaluate_before_training=False, eval_tasks=2)
+    trainer = BiPACETrainer(model, args=args, processing_class=tokenizer, peft_config=LoraConfig(**LORA))
+    trainer.train()
+    trainer.close_envs()
+    episodes = read_dump(run / "rollouts" / "step-000001.jsonl")
+    discount = args.estimator.gamma * args.estimator.lam
+    shared = 0
+    for episode in episodes:
+        turns = episode["turns"]
+        for t, turn in enumerate(turns):
+            gae = turn["gae"]
+            assert list(gae) == list(GAE_FIELDS)
+            # V̄(s_{t+1}) is the next turn's V̄, 0 after the last (no bootstrap by default)
+            assert gae["next_value"] == (turns[t + 1]["gae"]["value"] if t + 1 < len(turns) else 0.0)
+            assert gae["delta"] == pytest.approx(turn["reward"] + args.estimator.gamma * gae["next_value"] - gae["value"])
+            discounted = sum(discount**k * later["gae"]["delta"] for k, later in enumerate(turns[t:]))
+            assert gae["discounted_sum"] == pytest.approx(discounted, abs=1e-9)
+            redone = (discounted - gae["penalty"] - gae["group_mean"]) / (gae["group_std"] + 1e-6) if gae["shared"] else 0.0
+            assert turn["advantage"] == pytest.approx(redone, abs=1e-6)  # w_ep = 0, w_step = 1
+            shared += gae["shared"]
+    assert shared, "the tiny env's anchors repeat within a task group"
+    evaluation = read_dump(run / "rollouts" / "eval-final-step-000001.jsonl")
+    assert all(turn["gae"] is None for e in evaluation for turn in e["turns"])  # not trained on: no advantage
 
 
 @pytest.mark.slow
