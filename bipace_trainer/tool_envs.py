@@ -20,7 +20,10 @@ answers without a tool call, and the whole chat is one sample with one advantage
   prompt, `environments` the env instances); an episode with a positive reward counts as won;
 - a tool that raises, a tool call that names no tool or has arguments the tool does not
   take, and a tool or `get_reward` that hangs past `env_step_timeout` end that episode as
-  failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on.
+  failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on. So
+  does a `reset` that raises, or, for our own classes (`envs.trl_env.TRLEnvironment`,
+  which cannot raise there under TRL), one that reports its `failure`: the episode ends
+  before the model's first turn, whether or not it would have called a tool.
 
 Each rollout's env lives in a `ToolSession`, a `TextEnv` that a `VectorEnv` holds, so
 TRL's envs get the same failure contract, timeouts and counters as ours. Instances are
@@ -37,6 +40,7 @@ import json
 from typing import Any, Callable, Hashable, Sequence
 
 from envs.base import StepResult, TextEnv
+from envs.trl_env import EnvironmentFailure, TRLEnvironment
 
 from .rollout import Action, EnvAdapter, Rollout, TaskRef, _is_failure
 
@@ -104,6 +108,9 @@ class ToolSession(TextEnv):
             self.env = self.instances[name]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
             observation = _text(self.env.reset(**kwargs))
+            failure = self.env.failure if isinstance(self.env, TRLEnvironment) else None
+            if failure:  # our TRL classes report a failed reset in the text they return, never by raising
+                raise EnvironmentFailure(f"reset failed: {failure}")
         else:
             observation = ""
         return StepResult(observation=observation, anchor=observation)
