@@ -17,7 +17,8 @@ answers without a tool call, and the whole chat is one sample with one advantage
 - the episode reward sits on its last step: the env's `get_reward()` (weight 1, as TRL)
   plus `reward_funcs` weighted by `reward_weights`, computed by TRL's own
   `_calculate_rewards` over the whole chat (`completions` are the messages after the
-  prompt, `environments` the env instances); an episode with a positive reward counts as won;
+  prompt, `environments` the env instances), on each rank's own rows (no cross-rank
+  gather: evaluation shards differ in size); an episode with a positive reward counts as won;
 - a tool that raises, a tool call that names no tool or has arguments the tool does not
   take, and a tool or `get_reward` that hangs past `env_step_timeout` end that episode as
   failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on. So
@@ -261,9 +262,14 @@ class ToolEnvAdapter(EnvAdapter):
         return [getattr(s, "env", None) for s in sessions] + [None] * (len(self.tasks) - len(sessions))
 
     def _user_rewards(self, envs, rollout: Rollout, scored: list[bool]) -> list[float]:
-        """The user's `reward_funcs`, weighted, by TRL's `_calculate_rewards` (which gathers over
-        ranks: this rank's rows are sliced back out, as TRL does)."""
+        """The user's `reward_funcs`, weighted, by TRL's `_calculate_rewards` on this rank's rows alone.
+
+        TRL's method ends by gathering the rewards over ranks, which assumes every rank scores
+        as many rows at the same time. An evaluation's shards differ (3 tasks on 2 ranks) or
+        are empty (a rank with none never gets here), so that gather would fail or wait
+        forever; each episode's reward needs only its own row, so the gather is left out."""
         import torch
+        import trl.trainer.grpo_trainer as grpo_module
 
         trainer, k = self.trainer, self.num_user_reward_funcs
         completions = [chat[len(prompt):] for chat, prompt in zip(self.chats, self.prompts)]
@@ -275,12 +281,13 @@ class ToolEnvAdapter(EnvAdapter):
         trainer.reward_funcs, trainer.reward_func_names = saved[0][:k], saved[1][:k]
         trainer.reward_processing_classes = saved[2][:k]
         trainer.environments = [env if ok else None for env, ok in zip(instances, scored)]
+        gather = grpo_module.gather
+        grpo_module.gather = lambda tensor: tensor  # rank-local (docstring); restored below
         try:
             per_func = trainer._calculate_rewards(self.rows, self.prompts, completions, completion_ids)
         finally:
+            grpo_module.gather = gather
             trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
-        rank, n = trainer.accelerator.process_index, len(self.tasks)
-        per_func = per_func[rank * n : (rank + 1) * n]
         weights = trainer.reward_weights[:k].to(per_func.device)
         total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
         return [float(x) for x in total]

@@ -1,0 +1,170 @@
+"""What the text-env path guarantees holds on TRL's envs too (`environment_factory`, slow).
+
+The policy is the session's tool-calling tiny model (tests/trl/conftest.py), the env our
+tiny env as a TRL class (`as_trl_environment`): resampling a generation without signal,
+an exact resume from a checkpoint, rollout dumps with TRL's completions table and the
+`show` viewer, and two DDP processes on CPU with a user reward function and an
+evaluation whose shards differ in size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bipace_trainer import show
+from bipace_trainer.models import load_tokenizer
+from envs import as_trl_environment, trl_task_dataset
+from tests.trainer.test_distributed import cpu_config
+from tests.trainer.test_trl_environment import Recording
+from tests.trainer.tiny_setup import StopAfter
+from tests.trl.test_bipace_trainer import bipace_args
+from tests.trl.tool_model import TINY_KWARGS
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+Tiny = as_trl_environment("tiny", **TINY_KWARGS)
+
+
+class QuietFirst(Tiny):
+    """The tiny env scored by how many resets its class has seen: the first `quiet` score 0
+    whatever the model does (no signal), later ones 1 if odd-numbered, else 0 (any 4 in a row differ)."""
+
+    resets = 0
+    quiet = 4
+
+    def reset(self, **row):
+        type(self).resets += 1
+        self.index = type(self).resets
+        return super().reset(**row)
+
+    def get_reward(self) -> float:
+        return 0.0 if self.index <= self.quiet else float(self.index % 2)
+
+
+def test_a_generation_without_signal_is_played_again_on_fresh_rows_and_trained(tool_policy, tmp_path):
+    model, tokenizer = tool_policy
+    QuietFirst.resets = 0
+    data = trl_task_dataset("tiny", **TINY_KWARGS)
+    args = bipace_args(tmp_path, preset="gigpo", w_ep=1.0, tasks_per_iteration=1, num_generations=4,
+                       resample_without_signal=3, max_turns=3)
+    trainer = Recording(model=model, processing_class=tokenizer, args=args, train_dataset=data,
+                        environment_factory=QuietFirst)
+    trainer.recorded = []
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    trainer.close_envs()
+
+    (quiet, _), (replayed, estimate) = trainer.recorded  # the generation, then one redraw
+    assert all(e.reward == 0 for e in quiet.episodes) and QuietFirst.resets == 8
+    assert (estimate.advantage != 0).any()
+    # the redraw is one training row for the group, passed whole to reset (its task_id played)
+    assert len({e.task_id for e in replayed.episodes}) == 1 and replayed.episodes[0].task_id in set(data["task_id"])
+    assert all(e.task for e in replayed.episodes)
+    logs = next(entry for entry in trainer.state.log_history if "train/skipped_batches" in entry)
+    assert logs["train/resamples"] == 1.0 and logs["train/skipped_batches"] == 0.0
+    played = quiet.episodes + replayed.episodes
+    assert logs["episode/success_rate_all_played"] == pytest.approx(sum(e.won for e in played) / 8)
+    assert any(not p.detach().equal(before[n]) for n, p in trainer.model.named_parameters())  # the update ran
+
+
+def comparable_logs(trainer):
+    keys = ("loss", "episode/success_rate", "episode/steps", "advantage/mean", "advantage/std", "env/steps")
+    return [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
+
+
+def test_resume_continues_as_if_uninterrupted_and_dumps_show_the_tool_calls(tool_policy_dir, tmp_path):
+    data = trl_task_dataset("tiny", **TINY_KWARGS)
+
+    def make(run_dir):
+        args = bipace_args(run_dir, max_steps=2, save_strategy="steps", save_steps=1, rollout_dump_steps=1,
+                           log_completions=True, num_completions_to_print=1, tasks_per_iteration=1, num_generations=4)
+        return Recording(
+            model=AutoModelForCausalLM.from_pretrained(tool_policy_dir), processing_class=load_tokenizer(tool_policy_dir),
+            args=args, train_dataset=data, environment_factory=Tiny,
+        )
+
+    straight = make(tmp_path / "straight")
+    straight.recorded = []
+    straight.train()
+    straight.close_envs()
+    stopped = make(tmp_path / "resumed")
+    stopped.recorded = []
+    stopped.add_callback(StopAfter(1))
+    stopped.train()
+    stopped.close_envs()
+    resumed = make(tmp_path / "resumed")
+    resumed.recorded = []
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-1"))
+    resumed.close_envs()
+
+    assert stopped.state.global_step == 1 and resumed.state.global_step == 2
+    assert resumed.estimator.num_calls == straight.estimator.num_calls
+    # step 2 plays the same tasks, the same replies, and trains to the same weights
+    replies = [[s.completion_ids for s in rollout.steps] for rollout, _ in straight.recorded]
+    assert len(replies) == 2 and replies[0] != replies[1]  # step 2 is not step 1 again
+    (_, straight_step2), (_, resumed_step2) = straight.recorded[-1], resumed.recorded[-1]
+    assert [s.completion_ids for s in resumed.recorded[-1][0].steps] == replies[1]
+    assert [e.task_id for e in resumed.recorded[-1][0].episodes] == [e.task_id for e in straight.recorded[-1][0].episodes]
+    assert [e["train/skipped_batches"] for e in straight.state.log_history if "loss" in e] == [0.0, 0.0]  # both trained
+    assert comparable_logs(resumed)[-1] == comparable_logs(straight)[-1]
+    assert torch.equal(straight_step2.advantage, resumed_step2.advantage)
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, msg=name)
+
+    # the dump of step 2 holds the tool calls and the tool results as turns, the viewer renders them,
+    # and TRL's completions table has one row per turn
+    run = tmp_path / "straight"
+    dump = run / "rollouts" / "step-000002.jsonl"
+    episodes = [json.loads(line) for line in dump.read_text().splitlines()]
+    rollout = straight.recorded[-1][0]
+    assert len(episodes) == len(rollout.episodes) and sum(e["turns_taken"] for e in episodes) == len(rollout.steps)
+    turns = [t for e in episodes for t in e["turns"]]
+    calls = [t for t in turns if t["action"]]
+    assert calls and all(json.loads(t["action"])[0]["name"] == "act" for t in calls)  # the parsed tool calls
+    assert all(t["observation"] for t in turns)
+    out = io.StringIO()
+    assert show.main([str(dump), "--color", "never"], stream=out) == 0
+    lines = out.getvalue().splitlines()
+    assert sum(line.startswith("episode ") for line in lines) == len(episodes)
+    assert sum(line.startswith("  turn ") for line in lines) == len(turns)
+    assert all(any(line.endswith(" " + t["action"]) for line in lines) for t in calls)  # each tool call, as run
+    table = pd.read_parquet(run / "completions" / "completions_00002.parquet")
+    assert len(table) == len(turns)
+    assert sorted(table["completion"]) == sorted(t["reply"] for t in turns)
+
+
+def test_two_ddp_processes_train_and_evaluate_with_a_reward_function_on_unequal_shards(tool_policy_dir, tmp_path):
+    config = cpu_config("ddp", tmp_path / "accelerate.yaml")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
+    job = ROOT / "tests" / "trl" / "tool_dist_job.py"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(job),
+           "--out", str(tmp_path), "--model", str(tool_policy_dir)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world"] == 2 and r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 1
+    (first,), (second,) = ranks[0]["rollouts"], ranks[1]["rollouts"]
+    assert first["generate_calls"] == second["generate_calls"]  # lockstep over ranks
+    assert not {t for g in first["groups"] for t in g} & {t for g in second["groups"] for t in g}
+    # the user's reward function scored every episode played to its end: get_reward is 0 or 1,
+    # and its cost of 0.01 per turn makes the sum no whole number
+    episodes = first["episodes"] + second["episodes"]
+    scored = [e["reward"] for e in episodes if not e["failed"]]
+    assert len(episodes) == 4 and scored and all(r != round(r) for r in scored)
+    # the evaluation's shards are 2 and 1 tasks; both ranks end with the gathered summary of all 3
+    assert ranks[0]["final_eval"]["num_tasks"] == ranks[1]["final_eval"]["num_tasks"] == 3
+    assert [r["final_eval"]["tag"] for r in ranks] == ["final", "final"]
+    # and a 1-task evaluation, which leaves rank 1 nothing to play, ends on both ranks
+    assert ranks[0]["one_task_eval"]["num_tasks"] == ranks[1]["one_task_eval"]["num_tasks"] == 1
