@@ -78,6 +78,45 @@ def test_a_generation_without_signal_is_played_again_on_fresh_rows_and_trained(t
     assert any(not p.detach().equal(before[n]) for n, p in trainer.model.named_parameters())  # the update ran
 
 
+class TurnCost:
+    """A user reward function: -0.01 per message after the prompt. It keeps what it was given."""
+
+    __name__ = "turn_cost"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prompts, completions, completion_ids, environments=None, task_id=None, **kwargs):
+        scores = [-0.01 * len(completion) for completion in completions]
+        env_rewards = [env.get_reward() if env is not None else None for env in environments]
+        self.calls.append({"scores": scores, "env_rewards": env_rewards, "task_id": list(task_id),
+                           "step": kwargs["trainer_state"].global_step})
+        return scores
+
+
+def test_reward_funcs_add_to_get_reward_weighted_on_each_episodes_last_step(tool_policy, tmp_path):
+    model, tokenizer = tool_policy
+    cost = TurnCost()
+    args = bipace_args(tmp_path, tasks_per_iteration=1, num_generations=4, reward_weights=[2.0])
+    trainer = Recording(model=model, processing_class=tokenizer, args=args, environment_factory=Tiny,
+                        train_dataset=trl_task_dataset("tiny", **TINY_KWARGS), reward_funcs=cost)
+    trainer.recorded = []
+    trainer.train()
+    trainer.close_envs()
+    (rollout, _), = trainer.recorded
+    (call,) = cost.calls  # once per generation, over its episodes, with TRL's columns and state
+    assert call["task_id"] == [e.task_id for e in rollout.episodes] and call["step"] == 0
+    assert len(call["scores"]) == len(rollout.episodes) and all(s < 0 for s in call["scores"])
+    for episode, score, env_reward in zip(rollout.episodes, call["scores"], call["env_rewards"]):
+        steps = [s for s in rollout.steps if s.traj == episode.traj]
+        if episode.failed:  # no instance for a failed episode, and no reward
+            assert env_reward is None and episode.reward == 0
+            continue
+        assert episode.reward == pytest.approx(env_reward + 2.0 * score)  # get_reward has weight 1, as in TRL
+        assert [s.reward for s in steps[:-1]] == [0.0] * (len(steps) - 1) and steps[-1].reward == episode.reward
+        assert episode.won == (episode.reward > 0)
+
+
 def comparable_logs(trainer):
     keys = ("loss", "episode/success_rate", "episode/steps", "advantage/mean", "advantage/std", "env/steps")
     return [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
