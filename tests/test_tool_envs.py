@@ -180,3 +180,16 @@ def test_a_failed_reset_of_our_trl_class_ends_its_episode_as_a_counted_failure_w
     assert not healthy.failed and healthy.length == 1  # the other episode plays its answer
     assert [step.traj for step in rollout.steps] == [healthy.traj]  # no sample of the failed episode
     assert metrics["env/failures"] == 1.0
+
+
+def test_trls_reward_calculation_still_ends_in_the_module_gather_the_adapter_leaves_out():
+    # ToolEnvAdapter._user_rewards scores each rank's rows alone by swapping this name for the
+    # identity during the call (evaluation shards differ in size; tests/trl/test_tool_path.py
+    # runs it on 2 processes). A TRL that gathers otherwise must fail here, not hang a run.
+    import inspect
+
+    import trl.trainer.grpo_trainer as grpo_module
+
+    source = inspect.getsource(grpo_module.GRPOTrainer._calculate_rewards)
+    assert callable(grpo_module.gather) and "gather(rewards_per_func)" in source
+    assert "self.accelerator.gather" not in source and "gather_object" not in source
