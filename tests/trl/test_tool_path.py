@@ -3,8 +3,8 @@
 The policy is the session's tool-calling tiny model (tests/trl/conftest.py), the env our
 tiny env as a TRL class (`as_trl_environment`): resampling a generation without signal,
 an exact resume from a checkpoint, rollout dumps with TRL's completions table and the
-`show` viewer, and two DDP processes on CPU with a user reward function and an
-evaluation whose shards differ in size.
+`show` viewer, user `reward_funcs`, and two processes on CPU (DDP with gloo, DeepSpeed
+ZeRO-3) with a user reward function and evaluations whose shards differ in size.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -183,16 +184,26 @@ def test_resume_continues_as_if_uninterrupted_and_dumps_show_the_tool_calls(tool
     assert sorted(table["completion"]) == sorted(t["reply"] for t in turns)
 
 
-def test_two_ddp_processes_train_and_evaluate_with_a_reward_function_on_unequal_shards(tool_policy_dir, tmp_path):
-    config = cpu_config("ddp", tmp_path / "accelerate.yaml")
+def free_port() -> int:
+    """A port nobody listens on now: the launcher's default (29500) may be another job's on a shared machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_two_processes_train_and_evaluate_with_a_reward_function_on_unequal_shards(mode, tool_policy_dir, tmp_path):
+    config = cpu_config(mode, tmp_path / "accelerate.yaml")
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
     job = ROOT / "tests" / "trl" / "tool_dist_job.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(job),
-           "--out", str(tmp_path), "--model", str(tool_policy_dir)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--main_process_port", str(free_port()), str(job), "--out", str(tmp_path), "--model", str(tool_policy_dir)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert all(r["world"] == 2 and r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
+    expected_type = "MULTI_CPU" if mode == "ddp" else "DEEPSPEED"
+    assert all(r["world"] == 2 and r["distributed_type"].endswith(expected_type) for r in ranks)
+    assert [r["zero_stage"] for r in ranks] == ([None, None] if mode == "ddp" else [3, 3])
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 1
     (first,), (second,) = ranks[0]["rollouts"], ranks[1]["rollouts"]
     assert first["generate_calls"] == second["generate_calls"]  # lockstep over ranks
@@ -205,5 +216,6 @@ def test_two_ddp_processes_train_and_evaluate_with_a_reward_function_on_unequal_
     # the evaluation's shards are 2 and 1 tasks; both ranks end with the gathered summary of all 3
     assert ranks[0]["final_eval"]["num_tasks"] == ranks[1]["final_eval"]["num_tasks"] == 3
     assert [r["final_eval"]["tag"] for r in ranks] == ["final", "final"]
-    # and a 1-task evaluation, which leaves rank 1 nothing to play, ends on both ranks
+    # and a 1-task evaluation, which leaves rank 1 nothing to play (under ZeRO-3 it still joins
+    # every generate call, which gathers the parameters), ends on both ranks
     assert ranks[0]["one_task_eval"]["num_tasks"] == ranks[1]["one_task_eval"]["num_tasks"] == 1

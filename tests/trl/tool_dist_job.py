@@ -1,5 +1,5 @@
 """One training step and a final evaluation of TRL's envs on two processes, run by
-tests/trl/test_tool_path.py under `accelerate launch` (DDP, gloo, CPU).
+tests/trl/test_tool_path.py under `accelerate launch` (DDP with gloo, or ZeRO-3; CPU).
 
 The policy is the session's tool-calling tiny model (`--model`, the `tool_policy_dir`
 fixture's directory); the env is `as_trl_environment("tiny")`, and a user reward function
@@ -74,6 +74,7 @@ def main():
         "rank": rank,
         "world": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None,
         "global_step": trainer.state.global_step,
         "rollouts": RecordingTrainer.records,
         "final_eval": trainer.eval_history[-2] if len(trainer.eval_history) > 1 else None,
