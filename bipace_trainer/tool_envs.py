@@ -38,12 +38,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 from typing import Any, Callable, Hashable, Sequence
 
 from envs.base import StepResult, TextEnv
 from envs.trl_env import EnvironmentFailure, TRLEnvironment
 
 from .rollout import Action, EnvAdapter, Rollout, TaskRef, _is_failure
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ToolSession", "ToolEnvAdapter", "tool_methods", "SCORE"]
 
@@ -288,6 +291,22 @@ class ToolEnvAdapter(EnvAdapter):
         finally:
             grpo_module.gather = gather
             trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
+        self._take_reward_logs(rollout)
         weights = trainer.reward_weights[:k].to(per_func.device)
         total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
         return [float(x) for x in total]
+
+    def _take_reward_logs(self, rollout: Rollout) -> None:
+        """What the reward functions logged through TRL's `log_metric` (each name's mean goes into
+        the rollout's metrics, so a training step logs it) and `log_extra` (TRL's columns are one
+        value per episode, the completions table has a row per turn: dropped, with a warning).
+        TRL flushes both in the `_generate_and_score_completions` this trainer replaces."""
+        pending = getattr(self.trainer, "_pending_metrics", {})
+        rollout.reward_metrics.update({name: sum(values) / len(values) for name, values in pending.items() if values})
+        pending.clear()
+        extra = getattr(self.trainer, "_pending_extra_logs", {})
+        if extra and not getattr(self.trainer, "_warned_log_extra", False):
+            self.trainer._warned_log_extra = True  # once per run
+            logger.warning(f"reward functions logged log_extra columns {sorted(extra)}; BiPACETrainer's completions "
+                           "table has one row per turn and does not show them (log_metric values are logged).")
+        extra.clear()

@@ -92,10 +92,11 @@ class TurnCost:
         env_rewards = [env.get_reward() if env is not None else None for env in environments]
         self.calls.append({"scores": scores, "env_rewards": env_rewards, "task_id": list(task_id),
                            "step": kwargs["trainer_state"].global_step})
+        kwargs["log_metric"]("turn_cost/messages", sum(len(c) for c in completions) / len(completions))
         return scores
 
 
-def test_reward_funcs_add_to_get_reward_weighted_on_each_episodes_last_step(tool_policy, tmp_path):
+def test_reward_funcs_add_to_get_reward_weighted_on_each_episodes_last_step_and_log_their_metrics(tool_policy, tmp_path):
     model, tokenizer = tool_policy
     cost = TurnCost()
     args = bipace_args(tmp_path, tasks_per_iteration=1, num_generations=4, reward_weights=[2.0])
@@ -116,6 +117,9 @@ def test_reward_funcs_add_to_get_reward_weighted_on_each_episodes_last_step(tool
         assert episode.reward == pytest.approx(env_reward + 2.0 * score)  # get_reward has weight 1, as in TRL
         assert [s.reward for s in steps[:-1]] == [0.0] * (len(steps) - 1) and steps[-1].reward == episode.reward
         assert episode.won == (episode.reward > 0)
+    # what the function logged through TRL's log_metric is in the step's log, as under GRPOTrainer
+    (logged,) = [entry["turn_cost/messages"] for entry in trainer.state.log_history if "turn_cost/messages" in entry]
+    assert logged == pytest.approx(-sum(call["scores"]) / 0.01 / len(call["scores"]))
 
 
 def comparable_logs(trainer):
