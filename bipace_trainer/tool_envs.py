@@ -270,31 +270,41 @@ class ToolEnvAdapter(EnvAdapter):
         TRL's method ends by gathering the rewards over ranks, which assumes every rank scores
         as many rows at the same time. An evaluation's shards differ (3 tasks on 2 ranks) or
         are empty (a rank with none never gets here), so that gather would fail or wait
-        forever; each episode's reward needs only its own row, so the gather is left out."""
+        forever; each episode's reward needs only its own row, so the gather is left out.
+
+        Only the scored episodes (not failed) are passed: a failed episode has no reward, and its
+        env instance may be broken, so a reward function reading it must not stop the run."""
         import torch
         import trl.trainer.grpo_trainer as grpo_module
 
         trainer, k = self.trainer, self.num_user_reward_funcs
-        completions = [chat[len(prompt):] for chat, prompt in zip(self.chats, self.prompts)]
+        totals = [0.0] * len(self.tasks)
+        keep = [i for i, ok in enumerate(scored) if ok]
+        if not keep:
+            return totals
         completion_ids = [[] for _ in self.tasks]
         for step in rollout.steps:
             completion_ids[step.traj - rollout.episodes[0].traj] += list(step.completion_ids)
         instances = self._instances(envs)
+        rows, prompts = [self.rows[i] for i in keep], [self.prompts[i] for i in keep]
+        completions = [self.chats[i][len(self.prompts[i]):] for i in keep]
         saved = trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments
         trainer.reward_funcs, trainer.reward_func_names = saved[0][:k], saved[1][:k]
         trainer.reward_processing_classes = saved[2][:k]
-        trainer.environments = [env if ok else None for env, ok in zip(instances, scored)]
+        trainer.environments = [instances[i] for i in keep]
         gather = grpo_module.gather
         grpo_module.gather = lambda tensor: tensor  # rank-local (docstring); restored below
         try:
-            per_func = trainer._calculate_rewards(self.rows, self.prompts, completions, completion_ids)
+            per_func = trainer._calculate_rewards(rows, prompts, completions, [completion_ids[i] for i in keep])
         finally:
             grpo_module.gather = gather
             trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
         self._take_reward_logs(rollout)
         weights = trainer.reward_weights[:k].to(per_func.device)
         total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
-        return [float(x) for x in total]
+        for i, value in zip(keep, total):
+            totals[i] = float(value)
+        return totals
 
     def _take_reward_logs(self, rollout: Rollout) -> None:
         """What the reward functions logged through TRL's `log_metric` (each name's mean goes into

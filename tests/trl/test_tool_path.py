@@ -106,20 +106,42 @@ def test_reward_funcs_add_to_get_reward_weighted_on_each_episodes_last_step_and_
     trainer.train()
     trainer.close_envs()
     (rollout, _), = trainer.recorded
-    (call,) = cost.calls  # once per generation, over its episodes, with TRL's columns and state
-    assert call["task_id"] == [e.task_id for e in rollout.episodes] and call["step"] == 0
-    assert len(call["scores"]) == len(rollout.episodes) and all(s < 0 for s in call["scores"])
-    for episode, score, env_reward in zip(rollout.episodes, call["scores"], call["env_rewards"]):
+    (call,) = cost.calls  # once per generation, over its played episodes, with TRL's columns and state
+    played = [e for e in rollout.episodes if not e.failed]
+    assert call["task_id"] == [e.task_id for e in played] and call["step"] == 0
+    assert len(call["scores"]) == len(played) and all(s < 0 for s in call["scores"])
+    for episode, score, env_reward in zip(played, call["scores"], call["env_rewards"]):
         steps = [s for s in rollout.steps if s.traj == episode.traj]
-        if episode.failed:  # no instance for a failed episode, and no reward
-            assert env_reward is None and episode.reward == 0
-            continue
         assert episode.reward == pytest.approx(env_reward + 2.0 * score)  # get_reward has weight 1, as in TRL
         assert [s.reward for s in steps[:-1]] == [0.0] * (len(steps) - 1) and steps[-1].reward == episode.reward
         assert episode.won == (episode.reward > 0)
     # what the function logged through TRL's log_metric is in the step's log, as under GRPOTrainer
     (logged,) = [entry["turn_cost/messages"] for entry in trainer.state.log_history if "turn_cost/messages" in entry]
     assert logged == pytest.approx(-sum(call["scores"]) / 0.01 / len(call["scores"]))
+
+
+def test_a_reward_function_never_sees_a_failed_episode_so_a_broken_env_cannot_stop_the_run(tool_policy, tmp_path):
+    model, tokenizer = tool_policy
+    faulty = as_trl_environment("tests.reliability.faulty_envs:FaultyTinyEnv", step_timeout=None)
+    seen = []
+
+    def on_task_0(environments, **kwargs):  # reads every instance it is given, as a user's function may
+        seen.extend(env.task_id for env in environments)
+        return [float(env.task_id == 0 and env.won) for env in environments]
+
+    data = trl_task_dataset("tests.reliability.faulty_envs:FaultyTinyEnv").filter(lambda row: row["task_id"] in (0, 1))
+    data = data.sort("task_id")  # no shuffle: the one generation plays task 0's group and task 1's
+    args = bipace_args(tmp_path, tasks_per_iteration=2, num_generations=2, per_device_train_batch_size=2)
+    trainer = Recording(model=model, processing_class=tokenizer, args=args, environment_factory=faulty,
+                        train_dataset=data, reward_funcs=on_task_0)
+    trainer.recorded = []
+    trainer.train()  # task 1's engine crashes in reset: its episodes fail before any turn
+    trainer.close_envs()
+    assert trainer.state.global_step == 1
+    (rollout, _), = trainer.recorded
+    failed = [e for e in rollout.episodes if e.failed]
+    assert [e.task_id for e in failed] == [1, 1] and all(e.length == 0 and e.reward == 0 for e in failed)
+    assert seen == [e.task_id for e in rollout.episodes if not e.failed] and set(seen) == {0}
 
 
 def comparable_logs(trainer):
