@@ -130,7 +130,8 @@ def test_a_reward_function_never_sees_a_failed_episode_so_a_broken_env_cannot_st
         return [float(env.task_id == 0 and env.won) for env in environments]
 
     data = trl_task_dataset("tests.reliability.faulty_envs:FaultyTinyEnv").filter(lambda row: row["task_id"] in (0, 1))
-    data = data.sort("task_id")  # no shuffle: the one generation plays task 0's group and task 1's
+    ids = list(data["task_id"])
+    data = data.select([ids.index(0), ids.index(1)])  # no shuffle: the one generation plays task 0's group and task 1's
     args = bipace_args(tmp_path, tasks_per_iteration=2, num_generations=2, per_device_train_batch_size=2)
     trainer = Recording(model=model, processing_class=tokenizer, args=args, environment_factory=faulty,
                         train_dataset=data, reward_funcs=on_task_0)
