@@ -158,6 +158,7 @@ class Rollout:
     episodes: list[Episode]
     seconds: dict[str, float]
     generate_calls: int = 0
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # what reward functions logged (`log_metric`)
 
     def step_batch(self) -> StepBatch:
         """The estimator's input: one row per step (hidden stacked when every step has it)."""
@@ -195,6 +196,7 @@ class Rollout:
         if any(e.score is not None for e in episodes):  # an episode that never scored (no purchase) scores 0
             out["episode/score"] = sum(e.score or 0.0 for e in episodes) / n
         out.update({f"time/{name}_s": value for name, value in self.seconds.items()})
+        out.update(self.reward_metrics)
         return out
 
 

@@ -17,10 +17,14 @@ answers without a tool call, and the whole chat is one sample with one advantage
 - the episode reward sits on its last step: the env's `get_reward()` (weight 1, as TRL)
   plus `reward_funcs` weighted by `reward_weights`, computed by TRL's own
   `_calculate_rewards` over the whole chat (`completions` are the messages after the
-  prompt, `environments` the env instances); an episode with a positive reward counts as won;
+  prompt, `environments` the env instances), on each rank's own rows (no cross-rank
+  gather: evaluation shards differ in size); an episode with a positive reward counts as won;
 - a tool that raises, a tool call that names no tool or has arguments the tool does not
   take, and a tool or `get_reward` that hangs past `env_step_timeout` end that episode as
-  failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on.
+  failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on. So
+  does a `reset` that raises, or, for our own classes (`envs.trl_env.TRLEnvironment`,
+  which cannot raise there under TRL), one that reports its `failure`: the episode ends
+  before the model's first turn, whether or not it would have called a tool.
 
 Each rollout's env lives in a `ToolSession`, a `TextEnv` that a `VectorEnv` holds, so
 TRL's envs get the same failure contract, timeouts and counters as ours. Instances are
@@ -34,11 +38,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 from typing import Any, Callable, Hashable, Sequence
 
 from envs.base import StepResult, TextEnv
+from envs.trl_env import EnvironmentFailure, TRLEnvironment
 
 from .rollout import Action, EnvAdapter, Rollout, TaskRef, _is_failure
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ToolSession", "ToolEnvAdapter", "tool_methods", "SCORE"]
 
@@ -104,6 +112,9 @@ class ToolSession(TextEnv):
             self.env = self.instances[name]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
             observation = _text(self.env.reset(**kwargs))
+            failure = self.env.failure if isinstance(self.env, TRLEnvironment) else None
+            if failure:  # our TRL classes report a failed reset in the text they return, never by raising
+                raise EnvironmentFailure(f"reset failed: {failure}")
         else:
             observation = ""
         return StepResult(observation=observation, anchor=observation)
@@ -254,26 +265,58 @@ class ToolEnvAdapter(EnvAdapter):
         return [getattr(s, "env", None) for s in sessions] + [None] * (len(self.tasks) - len(sessions))
 
     def _user_rewards(self, envs, rollout: Rollout, scored: list[bool]) -> list[float]:
-        """The user's `reward_funcs`, weighted, by TRL's `_calculate_rewards` (which gathers over
-        ranks: this rank's rows are sliced back out, as TRL does)."""
+        """The user's `reward_funcs`, weighted, by TRL's `_calculate_rewards` on this rank's rows alone.
+
+        TRL's method ends by gathering the rewards over ranks, which assumes every rank scores
+        as many rows at the same time. An evaluation's shards differ (3 tasks on 2 ranks) or
+        are empty (a rank with none never gets here), so that gather would fail or wait
+        forever; each episode's reward needs only its own row, so the gather is left out.
+
+        Only the scored episodes (not failed) are passed: a failed episode has no reward, and its
+        env instance may be broken, so a reward function reading it must not stop the run."""
         import torch
+        import trl.trainer.grpo_trainer as grpo_module
 
         trainer, k = self.trainer, self.num_user_reward_funcs
-        completions = [chat[len(prompt):] for chat, prompt in zip(self.chats, self.prompts)]
+        totals = [0.0] * len(self.tasks)
+        keep = [i for i, ok in enumerate(scored) if ok]
+        if not keep:
+            return totals
         completion_ids = [[] for _ in self.tasks]
         for step in rollout.steps:
             completion_ids[step.traj - rollout.episodes[0].traj] += list(step.completion_ids)
         instances = self._instances(envs)
+        rows, prompts = [self.rows[i] for i in keep], [self.prompts[i] for i in keep]
+        completions = [self.chats[i][len(self.prompts[i]):] for i in keep]
         saved = trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments
         trainer.reward_funcs, trainer.reward_func_names = saved[0][:k], saved[1][:k]
         trainer.reward_processing_classes = saved[2][:k]
-        trainer.environments = [env if ok else None for env, ok in zip(instances, scored)]
+        trainer.environments = [instances[i] for i in keep]
+        gather = grpo_module.gather
+        grpo_module.gather = lambda tensor: tensor  # rank-local (docstring); restored below
         try:
-            per_func = trainer._calculate_rewards(self.rows, self.prompts, completions, completion_ids)
+            per_func = trainer._calculate_rewards(rows, prompts, completions, [completion_ids[i] for i in keep])
         finally:
+            grpo_module.gather = gather
             trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
-        rank, n = trainer.accelerator.process_index, len(self.tasks)
-        per_func = per_func[rank * n : (rank + 1) * n]
+        self._take_reward_logs(rollout)
         weights = trainer.reward_weights[:k].to(per_func.device)
         total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
-        return [float(x) for x in total]
+        for i, value in zip(keep, total):
+            totals[i] = float(value)
+        return totals
+
+    def _take_reward_logs(self, rollout: Rollout) -> None:
+        """What the reward functions logged through TRL's `log_metric` (each name's mean goes into
+        the rollout's metrics, so a training step logs it) and `log_extra` (TRL's columns are one
+        value per episode, the completions table has a row per turn: dropped, with a warning).
+        TRL flushes both in the `_generate_and_score_completions` this trainer replaces."""
+        pending = getattr(self.trainer, "_pending_metrics", {})
+        rollout.reward_metrics.update({name: sum(values) / len(values) for name, values in pending.items() if values})
+        pending.clear()
+        extra = getattr(self.trainer, "_pending_extra_logs", {})
+        if extra and not getattr(self.trainer, "_warned_log_extra", False):
+            self.trainer._warned_log_extra = True  # once per run
+            logger.warning(f"reward functions logged log_extra columns {sorted(extra)}; BiPACETrainer's completions "
+                           "table has one row per turn and does not show them (log_metric values are logged).")
+        extra.clear()

@@ -162,7 +162,8 @@ class TRLEnvironment:
         """
         if self.done and self.failure:
             # Raised again: a reset that failed could not raise (TRL calls reset unguarded), so this
-            # is where a trainer that counts raising tools as env failures (BiPACETrainer) sees it.
+            # is where a trainer that counts raising tools as env failures sees it (GRPOTrainer;
+            # BiPACETrainer reads `failure` right after reset, so it counts one the model never acts on).
             raise EnvironmentFailure(f"The environment failed ({self.failure}); this episode is over.")
         if self.done:
             # Said, not raised: an extra call after a finished episode is the model's mistake, not an

@@ -18,6 +18,7 @@ from trl.chat_template_utils import add_response_schema
 
 from bipace_trainer.rollout import Generation, RolloutSettings, TaskRef, run_rollouts
 from bipace_trainer.tool_envs import ToolEnvAdapter, ToolSession, tool_methods
+from envs import as_trl_environment
 from envs.vector import VectorEnv
 
 from tests.trainer.tool_setup import PROMPT, Lamps, make_tokenizer
@@ -88,9 +89,9 @@ def rows(count, environment=None):
     return out
 
 
-def play(tokenizer, factories, scripts, max_turns=5, environment=None, **trainer_kwargs):
+def play(tokenizer, factories, scripts, max_turns=5, environment=None, data=None, **trainer_kwargs):
     trainer = fake_trainer(tokenizer, factories, **trainer_kwargs)
-    data = rows(len(scripts), environment)
+    data = data or rows(len(scripts), environment)
     tasks = [TaskRef(0, group=0, inputs=row) for row in data]
     session = __import__("functools").partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
     with VectorEnv(session, len(tasks)) as envs:
@@ -165,3 +166,30 @@ def test_an_unset_env_name_is_checked_only_when_a_trainer_plays_it(monkeypatch, 
         args.require_env()  # what BiPACETrainer calls without environment_factory or tools
     with pytest.raises(ValueError, match="env_name='no_such_env'"):
         config.BiPACEConfig(output_dir=str(tmp_path), env_name="no_such_env", report_to="none", use_cpu=True)
+
+
+def test_a_failed_reset_of_our_trl_class_ends_its_episode_as_a_counted_failure_without_any_tool_call(tokenizer):
+    # Our TRL classes cannot raise in reset (TRL calls it unguarded): they return the failure
+    # text and raise only at the next tool call. A model that answers at once must not turn
+    # the failed episode into a played one that scores 0.
+    faulty = as_trl_environment("tests.reliability.faulty_envs:FaultyTinyEnv", step_timeout=None)
+    data = [{**row, "task_id": task_id} for row, task_id in zip(rows(2), [1, 0])]  # task 1's engine crashes in reset
+    rollout, metrics = play(tokenizer, faulty, [["Done."], ["Done."]], data=data)
+    failed, healthy = rollout.episodes
+    assert failed.failed and "engine crashed during reset" in failed.failure and failed.length == 0
+    assert not healthy.failed and healthy.length == 1  # the other episode plays its answer
+    assert [step.traj for step in rollout.steps] == [healthy.traj]  # no sample of the failed episode
+    assert metrics["env/failures"] == 1.0
+
+
+def test_trls_reward_calculation_still_ends_in_the_module_gather_the_adapter_leaves_out():
+    # ToolEnvAdapter._user_rewards scores each rank's rows alone by swapping this name for the
+    # identity during the call (evaluation shards differ in size; tests/trl/test_tool_path.py
+    # runs it on 2 processes). A TRL that gathers otherwise must fail here, not hang a run.
+    import inspect
+
+    import trl.trainer.grpo_trainer as grpo_module
+
+    source = inspect.getsource(grpo_module.GRPOTrainer._calculate_rewards)
+    assert callable(grpo_module.gather) and "gather(rewards_per_func)" in source
+    assert "self.accelerator.gather" not in source and "gather_object" not in source

@@ -223,9 +223,8 @@ def test_bipace_trainer_survives_a_misbehaving_server(server, tool_policy, tmp_p
 
 def test_bipace_trainer_plays_a_reachable_server_beside_an_unreachable_one(server, tool_policy, tmp_path):
     """A dict factory: rows of "up" play the live server (a task it does not fault), rows of "down" a port
-    nobody listens on. The run trains; "down" episodes score 0, and those whose model called `act` after the
-    failed reset failed as "unreachable", counted in env/failures. (A "down" episode whose model answers at
-    once, as the reset text asks, is not counted: BiPACETrainer's tool path counts raising tools only.)"""
+    nobody listens on. The run trains; every "down" episode fails at its reset as "unreachable", before the
+    model's first turn (whether or not it would have called `act`), scores 0 and is counted in env/failures."""
     from envs import trl_task_dataset
     from tests.trainer.test_trl_environment import Recording
     from tests.trl.test_bipace_trainer import bipace_args
@@ -251,6 +250,7 @@ def test_bipace_trainer_plays_a_reachable_server_beside_an_unreachable_one(serve
     assert not any(e.failed and server.url in e.failure for e in by_side["up"])
     assert all(e.reward == 0.0 and not e.won for e in by_side["down"])
     failed_down = [e for e in by_side["down"] if e.failed]
+    assert len(failed_down) == 8 and all(e.length == 0 for e in failed_down)
     assert all(f"unreachable: reset at {down}" in e.failure for e in failed_down)
     logged = max(entry.get("env/failures", 0) for entry in trainer.state.log_history)
     assert logged >= len(failed_down)
