@@ -9,6 +9,7 @@ ZeRO-3) with a user reward function and evaluations whose shards differ in size.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -118,6 +119,41 @@ def test_reward_funcs_add_to_get_reward_weighted_on_each_episodes_last_step_and_
     # what the function logged through TRL's log_metric is in the step's log, as under GRPOTrainer
     (logged,) = [entry["turn_cost/messages"] for entry in trainer.state.log_history if "turn_cost/messages" in entry]
     assert logged == pytest.approx(-sum(call["scores"]) / 0.01 / len(call["scores"]))
+
+
+class AsyncTiny(Tiny):
+    """The tiny env with an async tool and an async `get_reward`, which TRL accepts ("sync or async")."""
+
+    async def act(self, command: str) -> str:
+        await asyncio.sleep(0)
+        return super().act(command)
+
+    act.__doc__ = Tiny.act.__doc__  # the tool schema comes from the docstring
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return super().get_reward()
+
+
+def test_async_tools_and_get_reward_play_exactly_as_their_sync_versions(tool_policy_dir, tmp_path):
+    runs = []
+    for factory in (Tiny, AsyncTiny):
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(tool_policy_dir), load_tokenizer(tool_policy_dir)
+        args = bipace_args(tmp_path / factory.__name__, tasks_per_iteration=1, num_generations=4)
+        trainer = Recording(model=model, processing_class=tokenizer, args=args, environment_factory=factory,
+                            train_dataset=trl_task_dataset("tiny", **TINY_KWARGS))
+        trainer.recorded = []
+        trainer.train()
+        trainer.close_envs()
+        (rollout, estimate), = trainer.recorded
+        runs.append((rollout, estimate))
+    (sync, sync_estimate), (asynchronous, async_estimate) = runs
+    assert any(step.t > 0 for step in sync.steps)  # the tool was called: its results are observations
+    # the awaited results, not coroutine objects, are the observations, anchors and rewards
+    assert [s.observation for s in asynchronous.steps] == [s.observation for s in sync.steps]
+    assert [s.anchor for s in asynchronous.steps] == [s.anchor for s in sync.steps]
+    assert [e.reward for e in asynchronous.episodes] == [e.reward for e in sync.episodes]
+    assert torch.equal(async_estimate.advantage, sync_estimate.advantage)
 
 
 def test_a_reward_function_never_sees_a_failed_episode_so_a_broken_env_cannot_stop_the_run(tool_policy, tmp_path):
