@@ -58,9 +58,11 @@ def run_dir(tmp_path):
     rollouts = tmp_path / "rollouts"
     rollouts.mkdir()
     step1 = [  # cell 5 holds episode 0 turn 0, episode 1 turn 0 and episode 2 turn 1; cell 9 only episode 0 turn 1
-        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED, levels=LEVELS), _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
+        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED, levels=LEVELS),
+                                _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
         _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE, levels=LEVELS_HOSTILE)]),
-        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE), _turn(1, "left", 0.0, -0.2, 5, levels=HOSTILE)]),
+        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE),
+                                 _turn(1, "left", 0.0, -0.2, 5, levels=HOSTILE)]),
     ]
     step2 = [_episode(0, True, "b", [_turn(0, "left", 1.0, 0.5, 5)], rank=1)]  # same cell number, other batch
     for name, episodes in (("step-000001.jsonl", step1), ("eval-final-step-000002.jsonl", step2)):
@@ -99,9 +101,11 @@ def test_the_page_holds_every_episode_escaped_with_cells_and_offline(run_dir):
     assert f"gae {report.escape_text(HOSTILE)}" in page and page.count('<div class="credit gae"') == 2
     # HGPO's levels as a block of the credit column, a line per level k (cell, size n, a_k, used in the mean)
     levels = "HGPO levels:<br>k0: cell 5, n 3, a +0.800, used<br>k1: cell 12, n 1, a +0.000, not used</div>"
-    assert levels in page and 'data-text="HGPO levels: k0: cell 5, n 3, a +0.800, used; k1: cell 12, n 1, a +0.000, not used"' in page
+    assert levels in page
+    assert 'data-text="HGPO levels: k0: cell 5, n 3, a +0.800, used; k1: cell 12, n 1, a +0.000, not used"' in page
     hostile = report.escape_text(HOSTILE)
-    assert f"HGPO levels:<br>k{hostile}: cell 2.5, n –, a {hostile}, {hostile}<br>{hostile}<br>k–: cell –, n –, a –, –</div>" in page
+    wrong = f"k{hostile}: cell 2.5, n –, a {hostile}, {hostile}<br>{hostile}<br>k–: cell –, n –, a –, –"
+    assert f"HGPO levels:<br>{wrong}</div>" in page
     assert f'<div class="credit">levels {hostile}</div>' in page and "{&#x27;k&#x27;" not in page  # never a raw Python list
     # each block of the credit column is its own element: the peers list joins them with "; "
     assert '<div class="credit">branch pace</div><div class="credit gae"' in page

@@ -149,7 +149,8 @@ def test_markup_in_env_text_never_runs(browser, tmp_path):
     hostile = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>\x1b[0m'
     turn = {"turn": 0, "observation": hostile, "reply": hostile, "action": hostile, "valid": True, "reward": 0.0,
             "return": 0.0, "advantage": 0.5, "cluster": 1, "branch": "loo", "done": True,
-            "levels": [{"k": 0, "cell": 1, "size": 2, "advantage": 0.5, "used": True}, {"k": 1, "advantage": hostile}]}  # fmt: skip
+            "levels": [{"k": 0, "cell": 1, "size": 2, "advantage": 0.5, "used": True},
+                       {"k": 1, "advantage": hostile}]}  # fmt: skip
     episode = {"episode": 0, "rank": 0, "task_id": 1, "task": hostile, "attributes": {"kind": hostile}, "won": False,
                "turns_taken": 1, "invalid_steps": 0, "reward": 0.0, "turns": [turn, dict(turn, turn=1)]}  # fmt: skip
     (tmp_path / "rollouts").mkdir()
