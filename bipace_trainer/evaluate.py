@@ -22,6 +22,12 @@ once, and a rerun with the same settings skips the chunks it finds there (an int
 resumes, replaying only the unfinished chunk). Each chunk samples under its own seed
 (`chunk_seed`), so a resumed run plays what an uninterrupted one would on the same hardware.
 
+`--use_vllm` generates with TRL's vLLM path (colocate by default; `--vllm_mode server` and
+`--vllm_server_base_url` for a running `trl vllm-serve`). A colocated engine runs in this
+process, so each chunk's seed drives its sampling too (a resumed chunk replays exactly; checked
+with vLLM's CPU build by tests/vllm/test_vllm_engine.py); a server samples with its own RNG.
+Each model's trainer and engine are freed before the next model's are built.
+
 Results: success rate (and WebShop's score) overall and per task type, each with its 95% Wilson
 interval over the episodes of all seeds and its spread over seeds (mean ± sd of the per-seed
 rates); with two models, the paired difference on the same (task, seed) episodes with a 95%
@@ -203,8 +209,37 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
     )  # fmt: skip
     if settings.use_vllm:
-        values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization)
+        values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                      vllm_max_model_length=settings.vllm_max_model_length,
+                      vllm_server_base_url=settings.vllm_server_base_url)  # fmt: skip
     return BiPACEConfig(**values)
+
+
+def generation_backend(settings: argparse.Namespace) -> str:
+    """How the replies are generated, as the results record it."""
+    if not settings.use_vllm:
+        return "transformers"
+    if settings.vllm_mode == "server":
+        return f"vllm server ({settings.vllm_server_base_url or 'http://0.0.0.0:8000'})"
+    return "vllm colocate"
+
+
+def _release(trainer) -> None:
+    """Stop the trainer's envs and free its model and vLLM engine before the next model's are built
+    (two colocated engines would each hold `--vllm_gpu_memory_utilization` of the GPU)."""
+    import gc
+
+    import torch
+
+    trainer.close_envs()
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None and getattr(generation, "llm", None) is not None:
+        generation.llm = None
+    trainer.model = trainer.model_wrapped = None
+    trainer.accelerator.free_memory()  # drops the accelerator's references to the model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class _PanelTrainer:
@@ -312,7 +347,8 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
                              f"{result['success_rate']:.3f} of {len(chunk)} episodes")  # fmt: skip
     finally:
         if trainer is not None:
-            trainer.close_envs()
+            _release(trainer)
+            del trainer
     by_split: dict[str, list[dict[str, Any]]] = {split: [] for split in settings.split}
     for split, seed, index, _ in plan:
         for episode in done.get((split, seed, index), []):
@@ -432,7 +468,9 @@ def markdown_report(result: dict[str, Any]) -> str:
         "",
         f"temperature {protocol['temperature']}, seeds {', '.join(map(str, protocol['seeds']))}, "
         f"≤ {protocol['max_turns']} turns, history {protocol['history_length']}, "
-        f"{protocol['episodes_per_task']} episode(s) per task and seed. Success: k/n with the 95% Wilson interval "
+        f"{protocol['episodes_per_task']} episode(s) per task and seed"
+        + (f", generated with {protocol['generation']}" if protocol.get("generation") else "")
+        + ". Success: k/n with the 95% Wilson interval "
         "over all seeds' episodes; seeds: mean ± sd of the per-seed rates.",
     ]
     for model in result["models"]:
@@ -483,6 +521,7 @@ def run(settings: argparse.Namespace, progress=print) -> dict[str, Any] | None:
             "seeds": list(settings.seeds), "max_turns": settings.max_turns, "history_length": settings.history_length,
             "max_completion_length": settings.max_completion_length, "episodes_per_task": settings.episodes_per_task,
             "tasks": settings.tasks, "env_kwargs": settings.env_kwargs, "source": settings.protocol_source,
+            "generation": generation_backend(settings),
         },
         "models": [],
         "paired": [],
@@ -506,6 +545,11 @@ def run(settings: argparse.Namespace, progress=print) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------------- command line
 
 
+# vLLM flags: given without --use_vllm they are an error, not silently ignored; None = not given.
+VLLM_FLAGS = ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_server_base_url")
+VLLM_DEFAULTS = {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bipace-eval", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -526,8 +570,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default="outputs/bipace_eval", help="where results and episodes go")
     parser.add_argument("--rollout_batch_size", type=int, default=0, help="prompts per generate call (0: all active)")
     parser.add_argument("--use_vllm", action="store_true", help="generate with vLLM (TRL's; pip install 'trl[vllm]')")
-    parser.add_argument("--vllm_mode", default="colocate", choices=("colocate", "server"))
-    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
+    parser.add_argument("--vllm_mode", choices=("colocate", "server"),
+                        help="colocate (default): an engine in each process; server: a running `trl vllm-serve`")
+    parser.add_argument("--vllm_gpu_memory_utilization", type=float,
+                        help="share of the GPU a colocated engine takes (default 0.3)")
+    parser.add_argument("--vllm_max_model_length", type=int,
+                        help="the engine's context length (default: the model's; lower it if the KV cache does not fit)")
+    parser.add_argument("--vllm_server_base_url", help="the server of --vllm_mode server (default http://0.0.0.0:8000)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
                         help="weights' dtype (default float32, as train.py loads them)")
     parser.add_argument("--trust_remote_code", action="store_true")
@@ -553,6 +602,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(settings, name) is None:
             setattr(settings, name, value)
     settings.protocol_source = protocol.source
+    vllm_flags = [f"--{name}" for name in VLLM_FLAGS if getattr(settings, name) is not None]
+    if vllm_flags and not settings.use_vllm:
+        parser.error(f"{', '.join(vllm_flags)}: vLLM settings without --use_vllm; add --use_vllm or drop them.")
+    for name, value in VLLM_DEFAULTS.items():
+        if getattr(settings, name) is None:
+            setattr(settings, name, value)
+    if settings.use_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            parser.error("--use_vllm: vLLM is not installed here; pip install 'trl[vllm]' (vLLM <= 0.31 for TRL 1.16), "
+                         "or drop --use_vllm to generate with transformers.")  # fmt: skip
     checks = (
         (len(settings.models) <= 2, "models", "give one model, or two to compare"),
         (settings.temperature >= 0, "--temperature", "must be >= 0"),
@@ -562,6 +623,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         (settings.tasks >= 0, "--tasks", "must be >= 0 (0: all)"),
         (len(set(settings.seeds)) == len(settings.seeds), "--seeds", "must not repeat a seed"),
         (isinstance(settings.env_kwargs, dict), "--env_kwargs", "must be a JSON object"),
+        (0 < settings.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization", "must be in (0, 1]"),
+        (settings.vllm_max_model_length is None or settings.vllm_max_model_length >= 1, "--vllm_max_model_length",
+         "must be >= 1"),
+        (settings.vllm_server_base_url is None or settings.vllm_mode == "server", "--vllm_server_base_url",
+         "is for --vllm_mode server"),
     )
     for ok, name, fix in checks:
         if not ok:

@@ -16,7 +16,8 @@ What the page reads from the run's output directory (nothing else, no network):
   by the advantage's sign and size. Clicking a step lists the other steps of its cell (the
   state partition's cell, the steps its baseline compared it with); the PACE branch, GAGPO's
   GAE terms (V̄, next V̄, δ, their discounted sum, the centred penalty, the group's mean and
-  std) and any other per-turn field a dump carries are shown. Filters select episodes by dump
+  std), HGPO's context levels (per level k: its cell, the cell's size, a_k, whether it entered
+  the weighted mean) and any other per-turn field a dump carries are shown. Filters select episodes by dump
   (the step), outcome and task type.
 
 The curves are plotly figures whose JavaScript is inlined once (`plotly.offline.get_plotlyjs`),
@@ -58,10 +59,10 @@ DIAGNOSTIC_PREFIXES = ("estimator/", "advantage/")
 # The task attributes an env reports success by (`TextEnv.report_key` of the shipped envs), in the
 # order the filter prefers them when the page is not told the env.
 KNOWN_TYPE_KEYS = ("task_type", "category", "task_name", "depth", "distance")
-# Per-turn fields the page lays out itself (a column, or a line of the credit column: branch, GAE
-# terms); any other field a dump carries (HGPO levels, ...) is listed as it is.
+# Per-turn fields the page lays out itself (a column, or a block of the credit column: branch, GAE
+# terms, HGPO levels); any other field a dump carries is listed as it is.
 TURN_COLUMNS = ("turn", "observation", "prompt_tail", "reply", "action", "valid", "reward", "return", "advantage",
-                "cluster", "branch", "gae", "done")  # fmt: skip
+                "cluster", "branch", "gae", "levels", "done")  # fmt: skip
 # A step's GAE terms (`trajectories.GAE_FIELDS`) in the order and format the credit column shows them.
 GAE_LABELS = (("value", "V̄", ".3f"), ("next_value", "next V̄", ".3f"), ("delta", "δ", "+.3f"),
               ("discounted_sum", "Σ(γλ)ᵏδ", "+.3f"), ("penalty", "penalty", "+.3f"),
@@ -312,13 +313,43 @@ def gae_html(gae: Any) -> str:
     in its cell says so instead of its group's μ and σ); a dump's `gae` that is not an object is
     shown as it is, a field of the wrong type as its escaped text."""
     if not isinstance(gae, dict):
-        return f"gae {escape_text(gae)}"
+        return f'<div class="credit">gae {escape_text(gae)}</div>'
     alone = gae.get("shared") is False  # its group's μ and σ did not touch it
     labels = GAE_LABELS[:-2] if alone else GAE_LABELS
     terms = ", ".join(f"{label} {_number(gae.get(name), fmt)}" for name, label, fmt in labels)
     title = "A^s = (Σ(γλ)ᵏδ − penalty − group mean) / (group std + 1e-6); δ = r + γ·next V̄ − V̄"
     note = "; alone in its cell: A<sup>s</sup> 0" if alone else ""
-    return f'<div class="gae" title="{escape_text(title)}">GAE: {terms}{note}</div>'
+    return f'<div class="credit gae" title="{escape_text(title)}">GAE: {terms}{note}</div>'
+
+
+def _whole(value: Any) -> str:
+    """An integer field (level, cell, size) as text: `–` when missing, escaped text when not an integer."""
+    if value is None:
+        return "–"
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else escape_text(value)
+
+
+def _level_text(level: Any) -> str:
+    """`k1: cell 4, n 3, a +0.250, used` (HTML text): one context level of a step under HGPO."""
+    if not isinstance(level, dict):
+        return escape_text(level)
+    used = level.get("used")
+    use = "used" if used is True else "not used" if used is False else "–" if used is None else escape_text(used)
+    return (f"k{_whole(level.get('k'))}: cell {_whole(level.get('cell'))}, n {_whole(level.get('size'))}, "
+            f"a {_number(level.get('advantage'), '+.3f')}, {use}")  # fmt: skip
+
+
+def levels_html(levels: Any) -> str:
+    """HGPO's context levels of a step (`trajectories`' `levels`: per level k its cell, the cell's size n,
+    the level's advantage a_k, whether it entered the weighted mean) as one block of the credit column,
+    a line per level; a dump's `levels` that is not a list is shown as it is, a wrong-typed field as its
+    escaped text. `data-text` is the block on one line, for the peers list."""
+    if not isinstance(levels, list):
+        return f'<div class="credit">levels {escape_text(levels)}</div>'
+    lines = [_level_text(level) for level in levels] or ["none"]
+    title = "A = Σ w_k·a_k / Σ w_k over the used levels, w_k = (k + offset)^α; a_k: advantage in the level-k cell of n steps"
+    return (f'<div class="credit levels" title="{escape_text(title)}" data-text="HGPO levels: {"; ".join(lines)}">'
+            f'HGPO levels:<br>{"<br>".join(lines)}</div>')  # fmt: skip
 
 
 def turn_row(turn: dict[str, Any], ids: dict[str, str], scale: float) -> str:
@@ -326,9 +357,11 @@ def turn_row(turn: dict[str, Any], ids: dict[str, str], scale: float) -> str:
     cell = turn.get("cluster")
     cell_key = f"{ids['dump']}:{ids['rank']}:{cell}" if cell is not None else ""
     extras = {k: v for k, v in turn.items() if k not in TURN_COLUMNS}
-    details = [f"branch {escape_text(turn['branch'])}"] if turn.get("branch") is not None else []
+    details = [f'<div class="credit">branch {escape_text(turn["branch"])}</div>'] if turn.get("branch") is not None else []
     details += [gae_html(turn["gae"])] if turn.get("gae") is not None else []
-    details += [f"{escape_text(k)} {_number(v) if isinstance(v, float) else escape_text(v)}" for k, v in extras.items()]
+    details += [levels_html(turn["levels"])] if turn.get("levels") is not None else []
+    details += [f'<div class="credit">{escape_text(k)} {_number(v) if isinstance(v, float) else escape_text(v)}</div>'
+                for k, v in extras.items()]  # fmt: skip
     action = escape_text(turn.get("action"))
     if not turn.get("valid", True):
         action += ' <span class="invalid">invalid reply</span>'
@@ -342,7 +375,7 @@ def turn_row(turn: dict[str, Any], ids: dict[str, str], scale: float) -> str:
         f'<td class="num">{_number(turn.get("return"))}</td>',
         f'<td class="num adv">{_number(advantage, "+.3f")}</td>',
         f'<td class="num">{escape_text(cell) if cell is not None else "–"}</td>',
-        f'<td class="small">{"<br>".join(details) or "–"}</td>',
+        f'<td class="small">{"".join(details) or "–"}</td>',
     ]
     attrs = (
         f'class="step{" has-cell" if cell_key else ""}" id="{ids["step"]}" data-cell="{escape_text(cell_key)}" '
@@ -464,6 +497,11 @@ _SCRIPT = """
     byCell.get(key).push(row);
   }
   function cellText(row, index) { return row.children[index].textContent.trim(); }
+  // the credit column's blocks (branch, GAE terms, HGPO levels, other fields), one after another
+  function creditText(row) {
+    const parts = Array.from(row.children[8].querySelectorAll('div.credit'));
+    return parts.map(p => (p.dataset.text || p.textContent).trim()).join('; ') || '–';
+  }
   function clearSelection() {
     document.querySelectorAll('tr.peers').forEach(r => r.remove());
     document.querySelectorAll('tr.step.selected, tr.step.peer').forEach(r => r.classList.remove('selected', 'peer'));
@@ -501,7 +539,7 @@ _SCRIPT = """
       link.addEventListener('click', (event) => { event.stopPropagation(); reveal(peer); });
       item.appendChild(link);
       item.appendChild(document.createTextNode(
-        ': action ' + cellText(peer, 3) + ', R ' + cellText(peer, 5) + ', A ' + cellText(peer, 6) + ', ' + cellText(peer, 8)));
+        ': action ' + cellText(peer, 3) + ', R ' + cellText(peer, 5) + ', A ' + cellText(peer, 6) + ', ' + creditText(peer)));
       list.appendChild(item);
     }
     td.appendChild(list);

@@ -39,12 +39,47 @@ def test_each_env_gets_the_papers_protocol_and_flags_override_it():
         (["a", "--seeds", "1", "1"], "--seeds: must not repeat"),
         (["a", "--chunk_size", "0"], "--chunk_size: must be >= 1"),
         (["a", "--env_kwargs", "[1]"], "--env_kwargs: must be a JSON object"),
+        (["a", "--vllm_mode", "server"], "--vllm_mode: vLLM settings without --use_vllm; add --use_vllm or drop them"),
+        (["a", "--vllm_max_model_length", "512", "--vllm_gpu_memory_utilization", "0.5"],
+         "--vllm_gpu_memory_utilization, --vllm_max_model_length: vLLM settings without --use_vllm"),
     ],
 )
 def test_bad_flags_exit_with_one_line_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         evaluate.parse_args(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization: must be in (0, 1]"),
+        (["--vllm_max_model_length", "0"], "--vllm_max_model_length: must be >= 1"),
+        (["--vllm_server_base_url", "http://h:8000"], "--vllm_server_base_url: is for --vllm_mode server"),
+    ],
+)
+def test_bad_vllm_flags_name_the_flag(argv, message, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as stop:
+        evaluate.parse_args(["a", "--use_vllm", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    ok = evaluate.parse_args(["a", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", "http://h:8000"])
+    assert (ok.vllm_mode, ok.vllm_gpu_memory_utilization, ok.vllm_max_model_length) == ("server", 0.3, None)
+    assert evaluate.generation_backend(ok) == "vllm server (http://h:8000)"
+    assert evaluate.generation_backend(evaluate.parse_args(["a"])) == "transformers"
+
+
+def test_use_vllm_without_vllm_says_how_to_get_it(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["a", "--use_vllm"])
+    assert "--use_vllm: vLLM is not installed here; pip install 'trl[vllm]'" in capsys.readouterr().err
 
 
 def test_model_specs_resolve_to_what_to_load(tmp_path):

@@ -17,6 +17,10 @@ HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</scrip
 GAE_SHARED = {"value": 0.45, "next_value": 0.9, "delta": 0.405, "discounted_sum": 0.38, "penalty": -0.05,
               "group_mean": 0.1, "group_std": 0.3, "shared": True}  # fmt: skip
 GAE_ALONE = dict(GAE_SHARED, shared=False, value=1.0, delta=HOSTILE)
+# HGPO's context levels of a step (`trajectories._levels`); then wrong-typed ones
+LEVELS = [{"k": 0, "cell": 5, "size": 3, "advantage": 0.8, "used": True},
+          {"k": 1, "cell": 12, "size": 1, "advantage": 0.0, "used": False}]  # fmt: skip
+LEVELS_HOSTILE = [{"k": HOSTILE, "cell": 2.5, "size": None, "advantage": HOSTILE, "used": HOSTILE}, HOSTILE, {}]
 
 
 def _turn(turn, action, ret, advantage, cluster, branch="pace", **extra):
@@ -54,9 +58,11 @@ def run_dir(tmp_path):
     rollouts = tmp_path / "rollouts"
     rollouts.mkdir()
     step1 = [  # cell 5 holds episode 0 turn 0, episode 1 turn 0 and episode 2 turn 1; cell 9 only episode 0 turn 1
-        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED), _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
-        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE)]),
-        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE), _turn(1, "left", 0.0, -0.2, 5)]),
+        _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED, levels=LEVELS),
+                                _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
+        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE, levels=LEVELS_HOSTILE)]),
+        _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE),
+                                 _turn(1, "left", 0.0, -0.2, 5, levels=HOSTILE)]),
     ]
     step2 = [_episode(0, True, "b", [_turn(0, "left", 1.0, 0.5, 5)], rank=1)]  # same cell number, other batch
     for name, episodes in (("step-000001.jsonl", step1), ("eval-final-step-000002.jsonl", step2)):
@@ -92,7 +98,18 @@ def test_the_page_holds_every_episode_escaped_with_cells_and_offline(run_dir):
     assert ("GAE: V̄ 0.450, next V̄ 0.900, δ +0.405, Σ(γλ)ᵏδ +0.380, penalty -0.050, group mean +0.100, "
             "group std 0.300</div>") in page  # fmt: skip
     assert f"GAE: V̄ 1.000, next V̄ 0.900, δ {report.escape_text(HOSTILE)}, Σ(γλ)ᵏδ +0.380, penalty -0.050; alone" in page
-    assert f"gae {report.escape_text(HOSTILE)}" in page and page.count('<div class="gae"') == 2
+    assert f"gae {report.escape_text(HOSTILE)}" in page and page.count('<div class="credit gae"') == 2
+    # HGPO's levels as a block of the credit column, a line per level k (cell, size n, a_k, used in the mean)
+    levels = "HGPO levels:<br>k0: cell 5, n 3, a +0.800, used<br>k1: cell 12, n 1, a +0.000, not used</div>"
+    assert levels in page
+    assert 'data-text="HGPO levels: k0: cell 5, n 3, a +0.800, used; k1: cell 12, n 1, a +0.000, not used"' in page
+    hostile = report.escape_text(HOSTILE)
+    wrong = f"k{hostile}: cell 2.5, n –, a {hostile}, {hostile}<br>{hostile}<br>k–: cell –, n –, a –, –"
+    assert f"HGPO levels:<br>{wrong}</div>" in page
+    assert f'<div class="credit">levels {hostile}</div>' in page and "{&#x27;k&#x27;" not in page  # never a raw Python list
+    # each block of the credit column is its own element: the peers list joins them with "; "
+    assert '<div class="credit">branch pace</div><div class="credit gae"' in page
+    assert "creditText(peer)" in page and "cellText(peer, 8)" not in page
     # filters list what the episodes hold
     assert '<option value="task_type=a">task_type=a (2)</option>' in page
     assert '<option value="won">won (2)</option>' in page and '<option value="truncated">truncated (2)</option>' in page

@@ -148,7 +148,9 @@ def test_the_report_of_a_tiny_run_works_in_a_browser(warm_policy, browser, tmp_p
 def test_markup_in_env_text_never_runs(browser, tmp_path):
     hostile = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>\x1b[0m'
     turn = {"turn": 0, "observation": hostile, "reply": hostile, "action": hostile, "valid": True, "reward": 0.0,
-            "return": 0.0, "advantage": 0.5, "cluster": 1, "branch": "loo", "done": True}  # fmt: skip
+            "return": 0.0, "advantage": 0.5, "cluster": 1, "branch": "loo", "done": True,
+            "levels": [{"k": 0, "cell": 1, "size": 2, "advantage": 0.5, "used": True},
+                       {"k": 1, "advantage": hostile}]}  # fmt: skip
     episode = {"episode": 0, "rank": 0, "task_id": 1, "task": hostile, "attributes": {"kind": hostile}, "won": False,
                "turns_taken": 1, "invalid_steps": 0, "reward": 0.0, "turns": [turn, dict(turn, turn=1)]}  # fmt: skip
     (tmp_path / "rollouts").mkdir()
@@ -160,5 +162,10 @@ def test_markup_in_env_text_never_runs(browser, tmp_path):
     assert page.locator("img").count() == 0
     assert hostile.replace("\x1b", "\\x1b") in page.locator("#e0-0-0-t0 pre.obs").inner_text()
     assert page.locator("tr.peers li.peer-item").count() == 1
+    # the peer's credit column, block by block (branch; HGPO levels, one per level), markup as text
+    shown = hostile.replace("\x1b", "\\x1b")
+    assert page.locator("tr.peers li.peer-item").inner_text().endswith(
+        f", A +0.500, branch loo; HGPO levels: k0: cell 1, n 2, a +0.500, used; k1: cell –, n –, a {shown}, –"
+    )
     assert page.errors == []
     page.close()

@@ -2,7 +2,8 @@
 
 Builds the venv once (tests/vllm/make_venv.sh, ~3 min and ~3.8 GB on a fresh machine),
 then runs tests/vllm/vllm_job.py there: 2 LoRA steps of `bipace_q` with
-`use_vllm=True, vllm_mode="colocate"` on the tiny env, evaluations before and after.
+`use_vllm=True, vllm_mode="colocate"` on the tiny env, evaluations before and after; and
+tests/vllm/eval_job.py: `bipace-eval --use_vllm` on the model the job warm-started (1–2 min more).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
-def engine_run(tmp_path_factory):
+def engine_job(tmp_path_factory):
+    """The job's result, its work dir (the warm-started model it saved is `model/`) and the venv's python."""
     if sys.platform != "linux":
         pytest.skip("vLLM's CPU build is for Linux")
     build = subprocess.run(
@@ -28,13 +31,17 @@ def engine_run(tmp_path_factory):
     assert build.returncode == 0, f"building the vLLM venv failed:\n{build.stderr[-4000:]}"
     python = build.stdout.strip().splitlines()[-1]
     work = tmp_path_factory.mktemp("vllm_job")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     job = subprocess.run(
         [python, str(ROOT / "tests" / "vllm" / "vllm_job.py"), "--out", str(work / "result.json"), "--workdir", str(work)],
-        capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=1200, env=ENV, cwd=ROOT,
     )
     assert job.returncode == 0, f"the vLLM job failed:\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"
-    return json.loads((work / "result.json").read_text())
+    return json.loads((work / "result.json").read_text()), work, python
+
+
+@pytest.fixture(scope="module")
+def engine_run(engine_job):
+    return engine_job[0]
 
 
 @pytest.mark.slow
@@ -91,3 +98,64 @@ def test_evaluation_samples_at_the_eval_temperature(engine_run):
     assert temperatures == {("train", engine_run["train_temperature"]), ("eval", engine_run["eval_temperature"])}
     assert [e["tag"] for e in engine_run["eval_history"]] == ["before", "final"]
     assert all(e["num_tasks"] > 0 for e in engine_run["eval_history"])
+
+
+@pytest.mark.slow
+def test_bipace_eval_plays_every_episode_with_the_engine_and_resumes(engine_job):
+    _, work, python = engine_job
+    out = work / "eval"
+    flags = [
+        str(work / "model"), "--env", "tiny", "--env_kwargs", json.dumps({"size": 4}), "--seeds", "1", "2",
+        "--episodes_per_task", "3", "--chunk_size", "4", "--max_turns", "4", "--max_completion_length", "16",
+        "--history_length", "1", "--temperature", "1.0", "--use_vllm", "--vllm_max_model_length", "1024",
+        "--output_dir", str(out), "--no_progress",
+    ]  # fmt: skip
+    job = subprocess.run(
+        [python, str(ROOT / "tests" / "vllm" / "eval_job.py"), "--out", str(work / "eval.json"), "--", *flags],
+        capture_output=True, text=True, timeout=900, env=ENV, cwd=ROOT,
+    )
+    assert job.returncode == 0, f"bipace-eval --use_vllm failed:\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"
+    counted = json.loads((work / "eval.json").read_text())
+    first, rerun, resumed = counted["runs"]
+
+    # 2 valid tasks x 3 repeats x 2 seeds, in chunks of <= 4: 2 chunks per seed, each task 3 times per seed
+    chunks = [json.loads(line) for line in (out / "model" / "episodes.jsonl").read_text().splitlines()]
+    assert [(c["seed"], c["chunk"], len(c["episodes"])) for c in chunks] == [(1, 0, 4), (1, 1, 2), (2, 0, 4), (2, 1, 2)]
+    per_task: dict[tuple, int] = {}
+    for c in chunks:
+        for e in c["episodes"]:
+            per_task[(e["task_id"], c["seed"])] = per_task.get((e["task_id"], c["seed"]), 0) + 1
+    assert sorted(per_task.values()) == [3] * 4 and len({task for task, _ in per_task}) == 2
+
+    # every turn of every episode was one prompt to the vLLM engine; transformers generated nothing
+    turns = sum(e["turns"] for c in chunks for e in c["episodes"])
+    assert first["engines"] == 1 and first["engine_prompts"] == turns > 0 and first["hf_generate_calls"] == 0
+    # the engine ran the warm-started weights: mostly valid replies (a random model's are not)
+    dumps = {f.name: [json.loads(line) for line in f.read_text().splitlines()]
+             for f in (out / "model" / "rollouts").glob("*.jsonl")}  # fmt: skip
+    valid = [t["valid"] for episodes in dumps.values() for e in episodes for t in e["turns"]]
+    assert len(dumps) == 4 and len(valid) == turns and sum(valid) > len(valid) / 2
+    by_seed = [[t["reply"] for name in sorted(dumps) if f"seed{s}-" in name for e in dumps[name] for t in e["turns"]]
+               for s in (1, 2)]  # fmt: skip
+    assert by_seed[0] != by_seed[1]
+
+    # a rerun finds every chunk and replays none: no engine, no generation, no new line
+    assert {k: v for k, v in rerun.items() if k != "seconds"} == dict.fromkeys(rerun.keys() - {"seconds"}, 0)
+    assert "model: 4 of 4 chunks already played" in job.stdout
+    # killed during its last chunk: the resumed run replays that chunk alone, in a fresh engine (the
+    # first one freed), under the chunk's own seed: the same episodes as the uninterrupted run
+    last_turns = sum(e["turns"] for e in counted["cut"]["model"]["episodes"])
+    assert resumed["engines"] == 1 and resumed["alive_at_build"] == 0 and resumed["engine_prompts"] == last_turns
+    assert "model: 3 of 4 chunks already played" in job.stdout
+    assert json.loads((out / "model" / "episodes.jsonl").read_text().splitlines()[-1]) == counted["cut"]["model"]
+    assert counted["resumed_replies"]["model"] == counted["cut_replies"]["model"] and counted["cut_replies"]["model"]
+
+    result = json.loads((out / "bipace_eval.json").read_text())
+    assert result["protocol"]["generation"] == "vllm colocate"
+    overall = result["models"][0]["splits"]["valid"]["overall"]
+    assert overall["episodes"] == 12 and set(overall["per_seed"]) == {"1", "2"}
+    assert overall["successes"] == sum(e["won"] for c in chunks for e in c["episodes"])
+    markdown = (out / "bipace_eval.md").read_text()
+    assert "generated with vllm colocate" in markdown and f"| all | {overall['success_rate']:.3f} (" in markdown
+    assert "/12, " in markdown
+    print(f"bipace-eval --use_vllm: {first['seconds']:.0f} s, rerun {rerun['seconds']:.2f} s, resumed {resumed['seconds']:.0f} s")
