@@ -23,7 +23,8 @@ side by side in one run for each number B of parallel envs:
 
 With `--vllm`, the lockstep rollout is timed a second time with generation through vLLM
 (`use_vllm=True`, colocate; the same weights, saved and loaded by the engine), at the
-same batch sizes; the ratio vLLM / HF generate is printed per row.
+same batch sizes, each vLLM run right after an HF `generate` run of the same tasks; the
+ratio vLLM / HF generate printed per row is the median of those pairs' ratios.
 
 Throughput = completion tokens / wall seconds, env time included for the two rollouts.
 By default the model is a tiny random Qwen2 with a tokenizer trained on the env's text
@@ -39,6 +40,7 @@ import contextlib
 import functools
 import gc
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -130,10 +132,13 @@ def engine_dtype(dtype: str):
         vllm_generation.LLM = original
 
 
-def measure_vllm(model, tokenizer, args, output_dir, result) -> None:
+def measure_vllm(hf_trainer, model, tokenizer, args, output_dir, result) -> None:
     """The lockstep rows again, generating through vLLM (colocate) from the same weights, once
     per engine dtype. Each batch size is played once untimed first: vLLM compiles and
-    allocates per batch shape, and a first call's cost is not throughput."""
+    allocates per batch shape, and a first call's cost is not throughput. The timed runs
+    alternate with HF `generate` runs of the same tasks (HF, vLLM, HF, vLLM, ...), and the
+    ratio is taken per pair: on a machine whose load drifts, rows timed minutes apart
+    compare the load, not the engines."""
     model.save_pretrained(Path(output_dir) / "policy")
     tokenizer.save_pretrained(Path(output_dir) / "policy")
     for dtype in args.vllm_dtypes:
@@ -145,13 +150,20 @@ def measure_vllm(model, tokenizer, args, output_dir, result) -> None:
         for row in result["rows"]:
             tasks = task_refs(args.env, row["num_envs"])
             lockstep(trainer, tasks)  # warm-up at this batch size
-            run = median_run(lambda: lockstep(trainer, tasks), args.repeats)
+            pairs = [(lockstep(hf_trainer, tasks), lockstep(trainer, tasks)) for _ in range(args.repeats)]
+            ratios = [tokens_per_s(v) / tokens_per_s(hf) for hf, v in pairs]
+            run = median_of([v for _, v in pairs])
             run.pop("first_prompts")
-            run["tokens_per_s"] = run["tokens"] / run["seconds"]
+            run.update(tokens_per_s=tokens_per_s(run), paired_hf_tokens_per_s=[tokens_per_s(hf) for hf, _ in pairs],
+                       paired_ratios=ratios, paired_ratio_median=statistics.median(ratios))
             row[f"lockstep_vllm_{dtype}"] = run
         trainer.close_envs()
         trainer = None  # the next dtype's engine is built after this one is collected
         gc.collect()
+
+
+def tokens_per_s(run: dict) -> float:
+    return run["tokens"] / run["seconds"]
 
 
 def task_refs(env: str, count: int) -> list[TaskRef]:
@@ -194,7 +206,10 @@ def one_at_a_time(trainer, tasks) -> dict:
 
 
 def median_run(fn, repeats: int) -> dict:
-    runs = [fn() for _ in range(repeats)]
+    return median_of([fn() for _ in range(repeats)])
+
+
+def median_of(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
@@ -233,15 +248,14 @@ def report(result) -> None:
     if dtypes:
         machine = result.get("machine") or {}
         print(f"\nvLLM against HF generate (HF in float32) on {machine.get('cpu')} ({' '.join(machine.get('cpu_isa', []))}), "
-              f"{machine.get('torch_threads')} torch thread(s)")
+              f"{machine.get('torch_threads')} torch thread(s); /HF: median of the ratios of alternating HF and vLLM runs")
         print(f"{'envs':>5}{'lockstep HF tok/s':>19}" + "".join(f"{'vLLM ' + d + ' tok/s':>24}{'/HF':>6}" for d in dtypes))
         for row in result["rows"]:
-            hf = row["lockstep"]["tokens_per_s"]
-            line = f"{row['num_envs']:>5}{hf:>19,.0f}"
+            line = f"{row['num_envs']:>5}{row['lockstep']['tokens_per_s']:>19,.0f}"
             for dtype in dtypes:
-                vllm = row[f"lockstep_vllm_{dtype}"]["tokens_per_s"]
-                row[f"ratio_vllm_{dtype}_vs_hf"] = vllm / hf
-                line += f"{vllm:>24,.0f}{vllm / hf:>6.2f}"
+                vllm = row[f"lockstep_vllm_{dtype}"]
+                row[f"ratio_vllm_{dtype}_vs_hf"] = vllm["paired_ratio_median"]
+                line += f"{vllm['tokens_per_s']:>24,.0f}{vllm['paired_ratio_median']:>6.2f}"
             print(line)
 
 
@@ -276,9 +290,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = make_trainer(model, tokenizer, args, output_dir)
         result = measure(trainer, args)
-        trainer.close_envs()
         if args.vllm:
-            measure_vllm(model, tokenizer, args, output_dir, result)
+            measure_vllm(trainer, model, tokenizer, args, output_dir, result)
+        trainer.close_envs()
     out = Path(args.out)
     model_name = args.model or "tiny random Qwen2 (64 x 2)"
     result.update(
