@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "trainer" / "dist_job.py"
 
 
+def free_port() -> int:
+    """A port nobody listens on now: the launcher's default (29500) may be another job's on a shared machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def cpu_config(mode: str, path: Path) -> Path:
+    """An accelerate config for two CPU processes, with a free `main_process_port` (not the default 29500)."""
     if mode == "ddp":
         config = {
             "compute_environment": "LOCAL_MACHINE",
@@ -41,6 +50,7 @@ def cpu_config(mode: str, path: Path) -> Path:
         config = yaml.safe_load((ROOT / source).read_text())
         config.update(use_cpu=True, mixed_precision="no")
     config["num_processes"] = 2
+    config["main_process_port"] = free_port()
     path.write_text(yaml.safe_dump(config))
     return path
 

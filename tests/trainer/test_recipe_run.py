@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from envs.tiny import TinyEnv  # noqa: E402
+from tests.trainer.test_distributed import free_port  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "textcraft_qwen2.5-1.5b_gigpo.yaml"
 # What shrinking changes: the model, env and sizes, and what a CPU cannot do (bf16, process
@@ -83,7 +84,8 @@ def test_a_recipe_run_ends_cleanly_under_accelerate_launch(warm_policy_dir, tmp_
                                  evaluate_before_training=False, rollout_dump_steps=1)
     accelerate = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "mixed_precision": "no",
                   "num_machines": 1, "machine_rank": 0, "rdzv_backend": "static", "same_network": True,
-                  "use_cpu": False, "num_processes": 2}  # torchrun launcher; use_cpu in the recipe picks gloo
+                  "use_cpu": False, "num_processes": 2,  # torchrun launcher; use_cpu in the recipe picks gloo
+                  "main_process_port": free_port()}  # not the default 29500, which another job may hold
     config = tmp_path / "accelerate.yaml"
     config.write_text(yaml.safe_dump(accelerate))
     job = tmp_path / "job.py"

@@ -34,7 +34,7 @@ SHARED = dict(
 def tool_policy_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_policy")
     tokenizer = make_tokenizer()
-    model = warm_start(make_model(tokenizer), tokenizer, str(root / "sft"))
+    model = warm_start(make_model(tokenizer), tokenizer)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     return root / "model"

@@ -15,7 +15,7 @@ def tool_policy_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tool_policy")
     tokenizer = make_tool_tokenizer()
-    model = warm_start(tokenizer, str(root / "sft"))
+    model = warm_start(tokenizer)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     return root / "model"

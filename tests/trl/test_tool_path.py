@@ -13,7 +13,6 @@ import asyncio
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -247,20 +246,13 @@ def test_resume_continues_as_if_uninterrupted_and_dumps_show_the_tool_calls(tool
     assert sorted(table["completion"]) == sorted(t["reply"] for t in turns)
 
 
-def free_port() -> int:
-    """A port nobody listens on now: the launcher's default (29500) may be another job's on a shared machine."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_two_processes_train_and_evaluate_with_a_reward_function_on_unequal_shards(mode, tool_policy_dir, tmp_path):
     config = cpu_config(mode, tmp_path / "accelerate.yaml")
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
     job = ROOT / "tests" / "trl" / "tool_dist_job.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--main_process_port", str(free_port()), str(job), "--out", str(tmp_path), "--model", str(tool_policy_dir)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),  # a free port (cpu_config)
+           str(job), "--out", str(tmp_path), "--model", str(tool_policy_dir)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

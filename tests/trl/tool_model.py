@@ -9,9 +9,10 @@ results, and `add_response_schema` gives it TRL's parser. Nothing is downloaded:
 tokenizer is trained here on rendered conversations of the tiny env, and the model is a
 randomly initialised 2-layer Qwen2 (`bipace_trainer.models.tiny_qwen2`).
 
-`warm_start` fine-tunes it (TRL's SFTTrainer) on conversations played through the same TRL
-class the tests train: each turn's prompt is the conversation so far rendered exactly as
-`GRPOTrainer` renders it (`apply_chat_template(..., tools=[env.act], add_generation_prompt=True)`),
+`warm_start` fine-tunes it (`tests.trainer.tool_setup.sft`: what TRL's SFTTrainer does with
+prompt-completion pairs, in a plain loop several times faster on a CPU) on conversations played
+through the same TRL class the tests train: each turn's prompt is the conversation so far
+rendered exactly as `GRPOTrainer` renders it (`apply_chat_template(..., tools=[env.act], add_generation_prompt=True)`),
 and the completion is one `act` call (the goal's side half of the time, a random admissible
 move otherwise) or, after the episode ends, a short reply with no tool call. The policy then
 calls `act` with well-formed JSON and wins some episodes, not all: GRPO has signal.
@@ -22,11 +23,11 @@ from __future__ import annotations
 import random
 import re
 
-from datasets import Dataset
 from trl.chat_template_utils import qwen2_5_chat_template
 
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from envs import as_trl_environment, trl_task_dataset
+from tests.trainer.tool_setup import sft
 
 TINY_KWARGS = {"size": 4}
 FINAL_REPLY = "Done."
@@ -84,19 +85,10 @@ def make_tool_tokenizer():
     return tokenizer
 
 
-def warm_start(tokenizer, output_dir: str, *, max_steps: int = 80, seed: int = 0):
+def warm_start(tokenizer, *, max_steps: int = 80, seed: int = 0):
     """The tiny Qwen2, SFT-ed on tool-calling turns of the tiny env (module docstring); returns the model."""
-    from trl import SFTConfig, SFTTrainer
-
     env_class = as_trl_environment("tiny", **TINY_KWARGS)
     rows = list(trl_task_dataset("tiny", **TINY_KWARGS))
     pairs = tool_conversations(tokenizer, env_class, rows, episodes_per_task=6, seed=seed)
-    dataset = Dataset.from_list([{"prompt": prompt, "completion": completion} for prompt, completion in pairs])
     model = tiny_qwen2(tokenizer, hidden_size=64, layers=2, seed=seed)
-    args = SFTConfig(
-        output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=8, learning_rate=5e-3,
-        logging_steps=20, save_strategy="no", report_to="none", use_cpu=True, seed=seed, lr_scheduler_type="constant",
-        disable_tqdm=True, max_length=None,
-    )
-    SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
-    return model
+    return sft(model, tokenizer, pairs, max_steps=max_steps, seed=seed)
