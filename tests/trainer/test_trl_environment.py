@@ -108,9 +108,10 @@ def test_steps_reaching_one_state_by_different_tool_sequences_share_a_cell_and_g
         assert len(cells) == 1  # one state, one cell, whatever the path
         credited += sum(float(estimate.advantage[index[id(s)]]) != 0.0 for s in steps)
     assert credited > 0
-    # the broken env ended only its own episodes, counted
-    broken = [e for e in rollout.episodes if e.group == 1]
-    assert any(e.failed for e in broken) and not any(e.failed for e in rollout.episodes if e.group == 0)
+    # the broken env ended only its own episodes, counted; a healthy episode may still fail by
+    # the model's own hand (a garbled tool name), never by the broken lamp's refused connection
+    refused = [e for e in rollout.episodes if e.failed and "refused the connection" in e.failure]
+    assert refused and all(e.group == 1 for e in refused)
     assert any(entry.get("env/failures", 0) > 0 for entry in trainer.state.log_history)
     # dumps and evaluation work on this path too
     dumps = sorted((tmp_path / "rollouts").glob("step-*.jsonl"))
