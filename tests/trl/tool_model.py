@@ -85,10 +85,12 @@ def make_tool_tokenizer():
     return tokenizer
 
 
-def warm_start(tokenizer, *, max_steps: int = 80, seed: int = 0):
-    """The tiny Qwen2, SFT-ed on tool-calling turns of the tiny env (module docstring); returns the model."""
+def warm_start(tokenizer, *, max_steps: int = 80, seed: int = 0, heads: int = 4, kv_heads: int = 2):
+    """The tiny Qwen2, SFT-ed on tool-calling turns of the tiny env (module docstring); returns the model.
+
+    `heads=1, kv_heads=1` (head_dim 64) for vLLM, whose CPU attention needs head_dim >= 32."""
     env_class = as_trl_environment("tiny", **TINY_KWARGS)
     rows = list(trl_task_dataset("tiny", **TINY_KWARGS))
     pairs = tool_conversations(tokenizer, env_class, rows, episodes_per_task=6, seed=seed)
-    model = tiny_qwen2(tokenizer, hidden_size=64, layers=2, seed=seed)
+    model = tiny_qwen2(tokenizer, hidden_size=64, layers=2, seed=seed, heads=heads, kv_heads=kv_heads)
     return sft(model, tokenizer, pairs, max_steps=max_steps, seed=seed)

@@ -2,8 +2,10 @@
 
 Builds the venv once (tests/vllm/make_venv.sh, ~3 min and ~3.8 GB on a fresh machine),
 then runs tests/vllm/vllm_job.py there: 2 LoRA steps of `bipace_q` with
-`use_vllm=True, vllm_mode="colocate"` on the tiny env, evaluations before and after; and
-tests/vllm/eval_job.py: `bipace-eval --use_vllm` on the model the job warm-started (1–2 min more).
+`use_vllm=True, vllm_mode="colocate"` on the tiny env, evaluations before and after;
+tests/vllm/eval_job.py: `bipace-eval --use_vllm` on the model the job warm-started (1–2 min
+more); and tests/vllm/tool_job.py: TRL's `environment_factory` path (a tool-calling policy, a user
+reward function) for 2 steps under vLLM colocate (~1.5 min more, a third of it the warm start).
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_
 
 
 @pytest.fixture(scope="module")
-def engine_job(tmp_path_factory):
-    """The job's result, its work dir (the warm-started model it saved is `model/`) and the venv's python."""
+def venv_python():
+    """The python of the vLLM venv (tests/vllm/make_venv.sh builds it once)."""
     if sys.platform != "linux":
         pytest.skip("vLLM's CPU build is for Linux")
     build = subprocess.run(
         ["bash", str(ROOT / "tests" / "vllm" / "make_venv.sh")], capture_output=True, text=True, timeout=1200
     )
     assert build.returncode == 0, f"building the vLLM venv failed:\n{build.stderr[-4000:]}"
-    python = build.stdout.strip().splitlines()[-1]
+    return build.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def engine_job(tmp_path_factory, venv_python):
+    """The job's result, its work dir (the warm-started model it saved is `model/`) and the venv's python."""
+    python = venv_python
     work = tmp_path_factory.mktemp("vllm_job")
     job = subprocess.run(
         [python, str(ROOT / "tests" / "vllm" / "vllm_job.py"), "--out", str(work / "result.json"), "--workdir", str(work)],
@@ -159,3 +167,41 @@ def test_bipace_eval_plays_every_episode_with_the_engine_and_resumes(engine_job)
     assert "generated with vllm colocate" in markdown and f"| all | {overall['success_rate']:.3f} (" in markdown
     assert "/12, " in markdown
     print(f"bipace-eval --use_vllm: {first['seconds']:.0f} s, rerun {rerun['seconds']:.2f} s, resumed {resumed['seconds']:.0f} s")
+
+
+@pytest.mark.slow
+def test_trl_environment_factory_trains_and_evaluates_with_the_engine(venv_python, tmp_path):
+    job = subprocess.run(
+        [venv_python, str(ROOT / "tests" / "vllm" / "tool_job.py"), "--out", str(tmp_path / "result.json"),
+         "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    assert job.returncode == 0, f"the vLLM tool job failed:\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"
+    run = json.loads((tmp_path / "result.json").read_text())
+
+    # every reply of training and evaluation came from the engine; transformers generated nothing
+    assert run["counts"]["engine_calls"] > 0 and run["counts"]["hf_generate_calls"] == 0
+    # 2 steps, a generation each, both trained
+    assert run["global_step"] == 2 and len(run["rollouts"]) == 2
+    assert len(run["losses"]) == 2 and all(loss != 0 for loss in run["losses"])
+    assert all(r["nonzero_advantages"] > 0 for r in run["rollouts"])
+    steps = [s for r in run["rollouts"] for s in r["steps"]]
+    # the policy called the tool in the engine's replies, and episodes went on after a tool result
+    calls = [json.loads(s["action"]) for s in steps if s["action"]]
+    assert calls and all(call[0]["name"] == "act" and "command" in call[0]["arguments"] for call in calls)
+    assert any(s["t"] > 0 and s["action"] for s in steps)
+    # each step carries the engine's sampling log-prob of every completion token, and the loss's
+    # importance-sampling correction ran on them
+    assert all(s["logprobs"] == s["completion_tokens"] > 0 for s in steps)
+    assert len(run["is_ratio_mean"]) == 2 and all(r > 0 for r in run["is_ratio_mean"])
+    # weights pushed once per step: the evaluation before training pushes step 0's, step 2's
+    # rollout the weights step 1 trained
+    assert run["weight_syncs"] == [1.0, 2.0]
+    assert [(e["tag"], e["num_tasks"]) for e in run["eval_history"]] == [("before", 2), ("final", 2)]
+    # the dumps of both steps and both evaluations hold the parsed tool calls
+    assert sorted(run["dumps"]) == ["eval-before-step-000000.jsonl", "eval-final-step-000002.jsonl",
+                                    "step-000001.jsonl", "step-000002.jsonl"]  # fmt: skip
+    for name, episodes in run["dumps"].items():
+        dumped = [json.loads(t["action"]) for e in episodes for t in e["turns"] if t["action"]]
+        assert dumped and all(call[0]["name"] == "act" for call in dumped), name
+    print(f"warm start {run['warm_seconds']:.0f} s, training and evaluations {run['train_seconds']:.0f} s")
