@@ -8,7 +8,11 @@ success over the first and the last third of the steps and the final held-out su
 as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
 the same tasks at every step, so a preset's training-batch success minus GiGPO's on the same
 seed, averaged over the second half, removes how hard each step's tasks were), per seed and
-with its interval; and the partitions' singleton rates. Draws <json stem>_vs_gigpo.png next
+with its interval; the partitions' singleton rates and the share of steps with a non-zero
+advantage; per seed, how many leading steps a run shares with GRPO's of the same seed (same
+batch success, length and advantage spread: at a variation where every hash cell is a
+singleton GiGPO's step term is 0 and its run is GRPO's until two renderings collide); and the
+runs' wall time. Draws <json stem>_vs_gigpo.png next
 to the JSON: the paired difference to GiGPO per step (mean over seeds) and held-out success.
 """
 
@@ -27,6 +31,7 @@ from scipy import stats
 from bench.learning_stats import paired_differences, paired_gap
 
 BASELINE = "gigpo"
+SAME_STEP_KEYS = ("train_success", "episode_length", "num_steps", "advantage_std")  # a step's batch, as logged
 
 
 def interval(values: list[float]) -> dict[str, float]:
@@ -46,9 +51,20 @@ def _fmt(i: dict[str, float]) -> str:
     return f"{i['mean']:.3f}" if math.isnan(i["half_width"]) else f"{i['mean']:.3f} ± {i['half_width']:.3f}"
 
 
+def steps_shared(run: dict[str, Any], other: dict[str, Any]) -> int:
+    """How many leading steps of two runs logged the same batch (`SAME_STEP_KEYS` all equal)."""
+    shared = 0
+    for a, b in zip(run["curve"], other["curve"]):
+        if any(a.get(key) != b.get(key) for key in SAME_STEP_KEYS):
+            break
+        shared += 1
+    return shared
+
+
 def summarise(runs: list[dict[str, Any]], validation: str) -> dict[str, Any]:
     """Per preset: success intervals, paired gaps to GiGPO, singleton rates."""
     baseline = {run["seed"]: run for run in runs if run["preset"] == BASELINE}
+    grpo = {run["seed"]: run for run in runs if run["preset"] == "grpo"}
     out = {}
     for preset in dict.fromkeys(run["preset"] for run in runs):
         mine = sorted((run for run in runs if run["preset"] == preset), key=lambda run: run["seed"])
@@ -65,6 +81,8 @@ def summarise(runs: list[dict[str, Any]], validation: str) -> dict[str, Any]:
             "minus_gigpo_per_seed": gaps,
             "hash_singleton_rate": statistics.fmean(row["hash_singleton_rate"] for run in mine for row in run["curve"]),
             "hidden_singleton_rate": statistics.fmean(row["hidden_singleton_rate"] for run in mine for row in run["curve"]),
+            "nonzero_advantage": statistics.fmean(row.get("nonzero_advantage", math.nan) for run in mine for row in run["curve"]),
+            "steps_shared_with_grpo": [steps_shared(run, grpo[run["seed"]]) for run in mine if run["seed"] in grpo],
             "seconds": [run["seconds"] for run in mine],
         }
     return out
@@ -73,18 +91,23 @@ def summarise(runs: list[dict[str, Any]], validation: str) -> dict[str, Any]:
 def table(summary: dict[str, Any], warm: float) -> str:
     lines = [
         "| preset | train success, first third | last third | held-out final (warm start "
-        f"{warm:.3f}) | − GiGPO, paired, 2nd half (per seed) | singletons hash / hidden | run s (mean) |",
-        "|---|---|---|---|---|---|---|",
+        f"{warm:.3f}) | − GiGPO, paired, 2nd half (per seed) | singletons hash / hidden | non-zero advantage "
+        "| leading steps with GRPO's batch and advantages (per seed) | run s (mean, min–max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for preset, s in summary.items():
         per_seed = ", ".join(f"{g:+.2f}" for g in s["minus_gigpo_per_seed"])
         gap = "—" if preset == BASELINE else f"{_fmt(s['minus_gigpo_2nd_half'])} ({per_seed})"
         lines.append(
             f"| `{preset}` | {_fmt(s['train_first'])} | {_fmt(s['train_last'])} | {_fmt(s['heldout_final'])} | {gap} "
-            f"| {s['hash_singleton_rate']:.3f} / {s['hidden_singleton_rate']:.3f} | {statistics.fmean(s['seconds']):.0f} |"
+            f"| {s['hash_singleton_rate']:.3f} / {s['hidden_singleton_rate']:.3f} | {s['nonzero_advantage']:.2f} "
+            f"| {', '.join(map(str, s['steps_shared_with_grpo'])) or '–'} "
+            f"| {statistics.fmean(s['seconds']):.0f} ({min(s['seconds']):.0f}–{max(s['seconds']):.0f}) |"
         )
     seeds = max(len(s["seeds"]) for s in summary.values())
     lines.append("\nMean ± 95% t-interval half-width over seeds." if seeds > 1 else "\nOne seed: single values, no interval.")
+    seconds = [t for s in summary.values() for t in s["seconds"]]
+    lines.append(f"{len(seconds)} runs, {sum(seconds) / 3600:.1f} run-hours in all (run s: each run's own wall time).")
     return "\n".join(lines)
 
 

@@ -6,13 +6,14 @@ import math
 
 import pytest
 
-from bench.surface_learning import interval, summarise, table
+from bench.surface_learning import interval, steps_shared, summarise, table
 
 
-def _run(preset, seed, train, heldout):
-    curve = [{"train_success": v, "hash_singleton_rate": 1.0, "hidden_singleton_rate": 0.1} for v in train]
+def _run(preset, seed, train, heldout, nonzero=1.0, seconds=10.0):
+    curve = [{"train_success": v, "hash_singleton_rate": 1.0, "hidden_singleton_rate": 0.1, "nonzero_advantage": nonzero,
+              "episode_length": 5.0, "num_steps": 80, "advantage_std": 1.0 if nonzero else 0.0} for v in train]
     evals = [{"split": "valid", "step": 5 * (i + 1), "success_rate": v} for i, v in enumerate(heldout)]
-    return {"preset": preset, "seed": seed, "curve": curve, "evals": evals, "seconds": 10.0}
+    return {"preset": preset, "seed": seed, "curve": curve, "evals": evals, "seconds": seconds}
 
 
 def test_interval_is_the_student_t_half_width():
@@ -36,3 +37,19 @@ def test_paired_gap_to_gigpo_per_seed():
     assert summary["bipace_q"]["train_last"]["mean"] == pytest.approx((0.6 + 0.3) / 2)
     text = table(summary, warm=0.1)
     assert "`bipace_q`" in text and "(+0.15, -0.05)" in text and "95% t-interval" in text
+
+
+def test_leading_steps_shared_with_grpo_and_advantage_share():
+    runs = [
+        _run("grpo", 0, [0.2, 0.4, 0.5, 0.5], [0.1]),
+        _run("gigpo", 0, [0.2, 0.4, 0.6, 0.5], [0.1], seconds=30.0),  # the same batches for two steps
+        _run("hgpo", 0, [0.2, 0.4, 0.5, 0.5], [0.1], nonzero=0.0),  # same success, no advantage spread
+    ]
+    grpo, gigpo, hgpo = runs
+    assert steps_shared(gigpo, grpo) == 2 and steps_shared(grpo, grpo) == 4
+    assert steps_shared(hgpo, grpo) == 0  # advantage_std differs on step 1
+    summary = summarise(runs, "valid")
+    assert summary["gigpo"]["steps_shared_with_grpo"] == [2]
+    assert summary["hgpo"]["nonzero_advantage"] == 0.0 and summary["grpo"]["nonzero_advantage"] == 1.0
+    text = table(summary, warm=0.1)
+    assert "| 0.00 | 0 |" in text and "30 (30–30)" in text and "3 runs, 0.0 run-hours" in text
