@@ -124,6 +124,7 @@ def warm_start_job(job: dict[str, Any]) -> dict[str, Any]:
         "sft_seconds": sft_seconds,
         "evals": evals,
         "seconds": time.perf_counter() - start,
+        "machine": common.machine(),
     }
 
 
@@ -157,6 +158,7 @@ def rl_job(job: dict[str, Any]) -> dict[str, Any]:
         "timing": {k: statistics.fmean(e[k] for e in timed if k in e) for k in timing_keys if any(k in e for e in timed)},
         "memo": dict(common.MemoEnv.totals - memo_before),
         "seconds": time.perf_counter() - start,
+        "machine": common.machine(),  # a resumed study's runs may come from different hosts
     }
 
 
@@ -186,6 +188,24 @@ def run_jobs(fn, jobs: list[dict[str, Any]], workers: int, paths: list[Path], re
         pool.close()
         pool.join()
     return results
+
+
+def hosts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The distinct hosts (platform, CPU, torch) that `results` ran on, with how many ran on each.
+
+    Runs are bit-for-bit reproducible only on the same host type: the same code gave SFT
+    losses that differ in the 4th digit from the first logged step between two of this
+    project's VM hosts, and RL runs of one seed that part after a step or two. Runs of one
+    seed on different hosts still draw the same tasks at every step, so they stay paired, but
+    a study resumed on another host mixes the two.
+    """
+    seen: dict[tuple, dict[str, Any]] = {}
+    for result in results:
+        machine = result.get("machine") or {}
+        key = tuple(machine.get(k) for k in ("platform", "cpu", "torch"))
+        entry = seen.setdefault(key, {"platform": key[0], "cpu": key[1], "torch": key[2], "jobs": 0})
+        entry["jobs"] += 1
+    return list(seen.values())
 
 
 def describe(job: dict[str, Any]) -> str:

@@ -53,7 +53,7 @@ from pathlib import Path
 from bench import common
 from bench.learning_plan import PRESETS, SIZES, Size
 from bench.learning_report import plot_env, print_env
-from bench.learning_runner import rl_job, run_jobs, warm_start_job
+from bench.learning_runner import hosts, rl_job, run_jobs, warm_start_job
 from bench.learning_stats import summarise_env
 from bipace_trainer import BiPACEConfig
 
@@ -127,8 +127,12 @@ def main(argv=None):
     paths = [work_dir / job["plan"].env / "runs" / f"{job['preset']}-seed{job['seed']}.json" for job in rl_jobs]
     runs = run_jobs(rl_job, rl_jobs, size.jobs, paths, args.resume)
 
+    ran_on = hosts(warms + runs)
+    if sum(1 for host in ran_on if host["platform"]) > 1:  # results written before hosts were recorded have none
+        print(f"note: the warm starts and runs come from {len(ran_on)} hosts ({ran_on}): runs of one seed draw the same "
+              "tasks but are not batch-identical across hosts", flush=True)
     result = {"size": args.size, "presets": args.presets, "seeds": size.seeds, "overrides": args.overrides, "model": size.model or
-              f"tiny random Qwen2 ({size.hidden_size} x {size.layers})", "machine": common.machine(), "envs": {}}
+              f"tiny random Qwen2 ({size.hidden_size} x {size.layers})", "machine": common.machine(), "hosts": ran_on, "envs": {}}
     for warm, plan in zip(warms, size.envs.values()):
         mine = [run for run in runs if run["env"] == plan.env]
         summary = summarise_env(plan, warm, mine)

@@ -54,6 +54,8 @@ def test_learning_study(tmp_path):
         assert row["hidden_eps"] >= 0 and row["advantage_std"] >= 0 and row["seconds_per_step"] > 0
         assert -1.0 <= row["train_success_minus_grpo_2nd_half"]["mean"] <= 1.0
     assert env["presets"]["grpo"]["train_success_minus_grpo_2nd_half"] == {"mean": 0.0, "std": 0.0, "n": 1}
+    (host,) = result["hosts"]  # the warm start and the 5 runs, all on this machine
+    assert host["jobs"] == 6 and host["platform"] == result["machine"]["platform"] and host["cpu"]
     success = {run_["preset"]: [r["train_success"] for r in run_["curve"]] for run_ in env["runs"]}  # one seed
     grpo, gigpo = success["grpo"], success["gigpo"]
     expected = ((gigpo[1] - grpo[1]) + (gigpo[2] - grpo[2])) / 2  # steps 2 and 3 of 3
