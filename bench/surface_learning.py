@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from bench.learning_stats import paired_differences, paired_gap
+from bench.learning_stats import curve_mean, paired_differences, paired_gap
 
 BASELINE = "gigpo"
 SAME_STEP_KEYS = ("train_success", "episode_length", "num_steps", "advantage_std")  # a step's batch, as logged
@@ -81,7 +81,7 @@ def summarise(runs: list[dict[str, Any]], validation: str) -> dict[str, Any]:
             "minus_gigpo_per_seed": gaps,
             "hash_singleton_rate": statistics.fmean(row["hash_singleton_rate"] for run in mine for row in run["curve"]),
             "hidden_singleton_rate": statistics.fmean(row["hidden_singleton_rate"] for run in mine for row in run["curve"]),
-            "nonzero_advantage": statistics.fmean(row.get("nonzero_advantage", math.nan) for run in mine for row in run["curve"]),
+            "nonzero_advantage": curve_mean(mine, "nonzero_advantage"),
             "steps_shared_with_grpo": [steps_shared(run, grpo[run["seed"]]) for run in mine if run["seed"] in grpo],
             "seconds": [run["seconds"] for run in mine],
         }
