@@ -20,7 +20,8 @@ singletons):
 - `history`: the prompts built with 0, 1 (the study's) or 2 earlier steps; the episodes are the same
   (the behaviour policy does not read the prompt, checked), only the text the states come from differs;
 - `target`: the singleton rate ε is calibrated to (the trainer's `cluster_eps="auto"` with another
-  `target_singleton_rate`), capped at 2 (every cosine distance).
+  `target_singleton_rate`): the trainer's own bisection and cap (`max_cluster_eps`), so the study's
+  row has the ε its runs calibrate; a row whose ε reached the cap says so (`at_cap`).
 and for each: the grouping against the true state (singletons, purity, split), the Spearman of the
 step term alone (w_ep = 0) with A*, and the Spearman of the full advantage (the study's settings,
 `BiPACEConfig.estimator`) with A*. Two controls bound what a partition can do: `true`, the same
@@ -57,7 +58,6 @@ __all__ = ["WhyPlan", "PLANS", "run", "tables"]
 
 STUDY = "cpu-textcraft-surface"  # the learning study this explains (its env, policy shape, settings)
 PRESETS = ("grpo", "gigpo", "bipace_q")
-EPS_CAP = 2.0  # the largest cosine distance: a target is always reachable
 
 
 @dataclass(frozen=True)
@@ -152,14 +152,15 @@ def measure(batch: TruthBatch, hidden: torch.Tensor, target: float, study: Study
     group = np.array([s.group for s in steps])
     plain = step_batch(batch, hidden=hidden)
     layout = BatchLayout.from_batch(plain)
-    eps = calibrate_eps(hidden, layout, target, EPS_CAP)
-    cells = hidden_partition(hidden, layout, eps).cell.numpy()
     full = study.settings["bipace_q"]
+    eps = calibrate_eps(hidden, layout, target, full.max_cluster_eps)  # as the trainer's cluster_eps="auto"
+    cells = hidden_partition(hidden, layout, eps).cell.numpy()
     step_only = dataclasses.replace(full, w_ep=0.0)
     rng = np.random.default_rng(seed)
     shuffled = [random_cells(cells, group, rng) for _ in range(draws)]
     return {
         "eps": eps,
+        "at_cap": eps >= full.max_cluster_eps,
         "grouping": grouping_quality(cells, state, group),
         "step": _spearman(estimate_advantages(plain, step_only, cluster_eps=eps).advantage, a_star),
         "full": _spearman(estimate_advantages(plain, full, cluster_eps=eps).advantage, a_star),
