@@ -1,9 +1,12 @@
 """The surface-variation learning run's report: success with intervals and paired differences to GiGPO.
 
     python -m bench.surface_learning docs/results/surface_tiny/learning_study_cpu-surface.json
+    python -m bench.surface_learning --runs outputs/learning_textcraft_surface/textcraft/runs \
+        --warm docs/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json   # a study still running
 
 Reads a finished `bench.learning_study` result (e.g. `--size cpu-surface`, or
-`--size cpu-textcraft-surface --set train_tasks=8`) and prints, per preset: training-batch
+`--size cpu-textcraft-surface --set train_tasks=8`), or with `--runs` the runs a study still
+running has finished (each run's JSON and the warm start's), and prints, per preset: training-batch
 success over the first and the last third of the steps and the final held-out success, each
 as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
 the same tasks at every step, so a preset's training-batch success minus GiGPO's on the same
@@ -139,20 +142,39 @@ def plot(runs: list[dict[str, Any]], validation: str, path: Path) -> None:
     plt.close(fig)
 
 
+def report(env: str, validation: str, warm: dict[str, Any], runs: list[dict[str, Any]], plot_path: Path) -> dict[str, Any]:
+    """Prints the table of one env's runs against its warm start's `validation` success and draws the plot."""
+    start = next(e["success_rate"] for e in warm["evals"] if e["split"] == validation)
+    summary = summarise(runs, validation)
+    print(f"\n{env} ({validation}):\n{table(summary, start)}")
+    plot(runs, validation, plot_path)
+    return summary
+
+
 def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("result", type=Path, help="a learning_study JSON")
+    parser.add_argument("result", type=Path, nargs="?", help="a learning_study JSON")
+    parser.add_argument("--runs", type=Path, help="instead: a folder of finished runs' JSON (a study still running: "
+                        "<work-dir>/<env>/runs, or a copy of them)")
+    parser.add_argument("--warm", type=Path, help="with --runs: their warm start's JSON")
+    parser.add_argument("--split", default="valid", help="with --runs: the held-out split (default: valid)")
     args = parser.parse_args(argv)
+    if args.runs:
+        if not args.warm:
+            parser.error("--runs needs --warm, the warm start's JSON (learning_<size>_<env>_warm.json)")
+        runs = [json.loads(path.read_text()) for path in sorted(args.runs.glob("*-seed*.json"))]
+        if not runs:
+            parser.error(f"--runs {args.runs}: no <preset>-seed<n>.json in it")
+        warm = json.loads(args.warm.read_text())
+        return {warm["env"]: report(warm["env"], args.split, warm, runs, args.runs / "vs_gigpo.png")}
+    if not args.result:
+        parser.error("give a learning_study JSON, or --runs and --warm")
     result = json.loads(args.result.read_text())
-    reports = {}
-    for env, entry in result["envs"].items():
-        validation = entry["validation_split"]
-        warm = next(e["success_rate"] for e in entry["warm_start"]["evals"] if e["split"] == validation)
-        summary = summarise(entry["runs"], validation)
-        print(f"\n{env} ({validation}):\n{table(summary, warm)}")
-        plot(entry["runs"], validation, args.result.with_name(f"{args.result.stem}_{env}_vs_gigpo.png"))
-        reports[env] = summary
-    return reports
+    return {
+        env: report(env, entry["validation_split"], entry["warm_start"], entry["runs"],
+                    args.result.with_name(f"{args.result.stem}_{env}_vs_gigpo.png"))
+        for env, entry in result["envs"].items()
+    }
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from bench.surface_learning import interval, steps_shared, summarise, table
+from bench.surface_learning import interval, main, steps_shared, summarise, table
 
 
 def _run(preset, seed, train, heldout, nonzero=1.0, seconds=10.0):
@@ -53,3 +54,21 @@ def test_leading_steps_shared_with_grpo_and_advantage_share():
     assert summary["hgpo"]["nonzero_advantage"] == 0.0 and summary["grpo"]["nonzero_advantage"] == 1.0
     text = table(summary, warm=0.1)
     assert "| 0.00 | 0 |" in text and "30 (30–30)" in text and "3 runs, 0.0 run-hours" in text
+
+
+def test_a_study_still_running_is_reported_from_its_run_files(tmp_path, capsys):
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    for run in (_run("gigpo", 0, [0.2, 0.4, 0.5, 0.5], [0.1, 0.2]), _run("bipace_q", 0, [0.2, 0.4, 0.7, 0.6], [0.1, 0.4]),
+                _run("gigpo", 1, [0.3, 0.3, 0.3, 0.3], [0.2, 0.2])):
+        (runs_dir / f"{run['preset']}-seed{run['seed']}.json").write_text(json.dumps(run))
+    (runs_dir / "gigpo-seed2").mkdir()  # a run still training: its output folder, no JSON yet
+    warm = tmp_path / "warm.json"
+    warm.write_text(json.dumps({"env": "textcraft", "evals": [{"split": "valid", "success_rate": 0.0625}]}))
+
+    reports = main(["--runs", str(runs_dir), "--warm", str(warm)])
+    assert reports["textcraft"]["gigpo"]["seeds"] == [0, 1] and reports["textcraft"]["bipace_q"]["seeds"] == [0]
+    assert reports["textcraft"]["bipace_q"]["minus_gigpo_per_seed"] == pytest.approx([0.15])
+    assert "warm start 0.062" in capsys.readouterr().out and (runs_dir / "vs_gigpo.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["--runs", str(runs_dir)])  # without the warm start's JSON
