@@ -122,16 +122,18 @@ def plot(runs: list[dict[str, Any]], validation: str, path: Path) -> None:
 
     baseline = {run["seed"]: run for run in runs if run["preset"] == BASELINE}
     fig, (gap_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    for preset in dict.fromkeys(run["preset"] for run in runs):
+    presets = list(dict.fromkeys(run["preset"] for run in runs))
+    color = {preset: f"C{i}" for i, preset in enumerate(presets)}  # one colour per preset in both panels
+    for preset in presets:
         mine = [run for run in runs if run["preset"] == preset]
         diffs = np.array([paired_differences(run, baseline[run["seed"]]) for run in mine if run["seed"] in baseline])
         if len(diffs) and preset != BASELINE:
             kernel = np.ones(5) / 5  # 5-step moving average: one step's 16 episodes are noisy
             mean = np.convolve(diffs.mean(0), kernel, mode="valid")
-            gap_ax.plot(np.arange(len(mean)) + 3, mean, label=preset)
+            gap_ax.plot(np.arange(len(mean)) + 3, mean, label=preset, color=color[preset])
         evals = [[(e["step"], e["success_rate"]) for e in run["evals"] if e["split"] == validation] for run in mine]
         steps = [s for s, _ in evals[0]]
-        eval_ax.plot(steps, np.mean([[v for _, v in e] for e in evals], 0), marker="o", label=preset)
+        eval_ax.plot(steps, np.mean([[v for _, v in e] for e in evals], 0), marker="o", label=preset, color=color[preset])
     gap_ax.axhline(0, color="black", lw=0.8)
     gap_ax.set(xlabel="step", ylabel="training success − GiGPO's (same seed)", title="paired with GiGPO (5-step mean)")
     eval_ax.set(xlabel="step", ylabel=f"{validation} success", title="held-out success (mean over seeds)")
