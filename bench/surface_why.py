@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import pickle
@@ -204,6 +205,14 @@ def knob_settings(plan: WhyPlan, study: Study) -> list[tuple[str, int, int, floa
 # ---------------------------------------------------------------------- the run
 
 
+def checkpoint_key(folder: Path) -> str:
+    """A short key of a checkpoint folder's files (names, sizes, modification times): a retrained warm start
+    at the same path gets a new key, so its hidden states are never read from another model's cache."""
+    files = sorted(f for f in folder.iterdir() if f.is_file())
+    listing = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return hashlib.sha1(repr((str(folder.resolve()), listing)).encode()).hexdigest()[:12]
+
+
 def run(plan: WhyPlan, warm_start: Path, out: Path, work_dir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +224,8 @@ def run(plan: WhyPlan, warm_start: Path, out: Path, work_dir: Path) -> dict[str,
     if study.history not in plan.histories or study.layer not in plan.layers:
         raise ValueError(f"the plan must include the study's history ({study.history}) and layer ({study.layer})")
     model = AutoModelForCausalLM.from_pretrained(str(warm_start), dtype=torch.float32)
-    capture = HiddenStates(model, load_tokenizer(str(warm_start)), plan.layers, work_dir / "why_hidden.pt", batch_size=16)
+    cache = work_dir / f"why_hidden_{checkpoint_key(warm_start)}.pt"  # states are cached by prompt: one file per model
+    capture = HiddenStates(model, load_tokenizer(str(warm_start)), plan.layers, cache, batch_size=16)
     result: dict[str, Any] = {
         "plan": asdict(plan), "warm_start": str(warm_start), "machine": common.machine(),
         "study": {"size": STUDY, "layer": study.layer, "history": study.history, "target": study.target},

@@ -58,3 +58,14 @@ def test_ci_plan_on_a_tiny_saved_model(tmp_path):
         assert 0 <= row["grouping"]["singleton_rate"] <= 1 and 0 <= row["eps"] <= 0.3  # the trainer's cap
     text = tables(result)
     assert text.count("| 1.0 | 0.3 | ") == 1 + 2 + 2 + 2  # the headline row, then two rows per knob
+
+
+def test_a_retrained_checkpoint_gets_another_cache_key(tmp_path):
+    from bench.surface_why import checkpoint_key
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    key = checkpoint_key(tmp_path)
+    assert checkpoint_key(tmp_path) == key
+    (tmp_path / "model.safetensors").write_bytes(b"retrained weights")
+    assert checkpoint_key(tmp_path) != key
