@@ -145,12 +145,26 @@ def _over_cells(batch, cells: np.ndarray, settings) -> torch.Tensor:
     return estimate_advantages(anchored, dataclasses.replace(settings, partition="hash")).advantage
 
 
-def measure(batch: TruthBatch, hidden: torch.Tensor, target: float, study: Study, draws: int, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Truth:
+    """Per step of a batch: A*, the true state (an id within its task group) and the task group."""
+
+    a_star: np.ndarray
+    state: np.ndarray
+    group: np.ndarray
+
+    @classmethod
+    def of(cls, batch: TruthBatch) -> Truth:
+        steps = batch.rollout.steps
+        return cls(np.array([t.a_star for t in batch.truth]),
+                   factorize([(s.group, t.state) for s, t in zip(steps, batch.truth)]).numpy(),
+                   np.array([s.group for s in steps]))
+
+
+def measure(batch: TruthBatch, truth: Truth, hidden: torch.Tensor, target: float, study: Study, draws: int,
+            seed: int) -> dict[str, Any]:
     """One partition (`hidden` at the ε of `target`): grouping, step-term and full-advantage Spearman, and its controls."""
-    steps = batch.rollout.steps
-    a_star = np.array([t.a_star for t in batch.truth])
-    state = factorize([(s.group, t.state) for s, t in zip(steps, batch.truth)]).numpy()
-    group = np.array([s.group for s in steps])
+    a_star, group = truth.a_star, truth.group
     plain = step_batch(batch, hidden=hidden)
     layout = BatchLayout.from_batch(plain)
     full = study.settings["bipace_q"]
@@ -162,7 +176,7 @@ def measure(batch: TruthBatch, hidden: torch.Tensor, target: float, study: Study
     return {
         "eps": eps,
         "at_cap": eps >= full.max_cluster_eps,
-        "grouping": grouping_quality(cells, state, group),
+        "grouping": grouping_quality(cells, truth.state, group),
         "step": _spearman(estimate_advantages(plain, step_only, cluster_eps=eps).advantage, a_star),
         "full": _spearman(estimate_advantages(plain, full, cluster_eps=eps).advantage, a_star),
         "random_step": _nanmean([_spearman(_over_cells(batch, c, step_only), a_star) for c in shuffled]),
@@ -175,12 +189,10 @@ def _nanmean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
-def baselines(batch: TruthBatch, study: Study) -> dict[str, Any]:
+def baselines(batch: TruthBatch, truth: Truth, study: Study) -> dict[str, Any]:
     """GRPO's and GiGPO's advantage (the study's settings) and BiPACE_Q's estimator over the true cells."""
-    steps = batch.rollout.steps
-    a_star = np.array([t.a_star for t in batch.truth])
-    state = factorize([(s.group, t.state) for s, t in zip(steps, batch.truth)]).numpy()
-    anchor = factorize([(s.group, s.anchor) for s in steps]).numpy()
+    a_star, state = truth.a_star, truth.state
+    anchor = factorize([s.anchor for s in batch.rollout.steps]).numpy()
     plain = step_batch(batch)
     full = study.settings["bipace_q"]
     return {
@@ -188,9 +200,9 @@ def baselines(batch: TruthBatch, study: Study) -> dict[str, Any]:
         "gigpo": _spearman(estimate_advantages(plain, study.settings["gigpo"]).advantage, a_star),
         "true_step": _spearman(_over_cells(batch, state, dataclasses.replace(full, w_ep=0.0)), a_star),
         "true_full": _spearman(_over_cells(batch, state, full), a_star),
-        "steps": len(steps),
+        "steps": len(a_star),
         "success": statistics.fmean(e.won for e in batch.rollout.episodes),
-        "hash_singletons": float(np.mean(np.bincount(anchor)[anchor] == 1)),
+        "hash_singletons": grouping_quality(anchor, state, truth.group)["singleton_rate"],
     }
 
 
@@ -239,10 +251,11 @@ def run(plan: WhyPlan, warm_start: Path, out: Path, work_dir: Path) -> dict[str,
                 start = time.perf_counter()
                 by_history = batches(plan, level, p, seed, work_dir)
                 states = {h: capture([t.messages for t in b.truth]) for h, b in by_history.items()}
+                truth = Truth.of(by_history[study.history])  # the same at every history length (checked in `batches`)
                 entry = {"variation": level, "expert_prob": p, "seed": seed,
-                         **baselines(by_history[study.history], study), "rows": []}
+                         **baselines(by_history[study.history], truth, study), "rows": []}
                 for knob, layer, history, target in knob_settings(plan, study):
-                    row = measure(by_history[history], states[history][layer], target, study, plan.draws, seed)
+                    row = measure(by_history[history], truth, states[history][layer], target, study, plan.draws, seed)
                     entry["rows"].append({"knob": knob, "layer": layer, "history": history, "target": target, **row})
                 entry["seconds"] = time.perf_counter() - start
                 result["batches"].append(entry)
@@ -257,12 +270,10 @@ def run(plan: WhyPlan, warm_start: Path, out: Path, work_dir: Path) -> dict[str,
 
 def _stat(values: list[float], empty: str = "all 0") -> str:
     """Mean ± std over seeds; NaN values (an all-zero advantage, or purity without a shared cell) left out."""
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
+    s = common.mean_std([v for v in values if not math.isnan(v)])
+    if not s["n"]:
         return empty
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+    return f"{s['mean']:.2f}" if s["n"] == 1 else f"{s['mean']:.2f} ± {s['std']:.2f}"
 
 
 def _cells(result: dict[str, Any]) -> dict[tuple[float, float], list[dict[str, Any]]]:
