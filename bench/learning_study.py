@@ -65,6 +65,8 @@ def parse_args(argv=None):
     parser.add_argument("--envs", nargs="+", help="subset of the size's envs")
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--seeds", type=int, help="seeds per preset (default: the size's)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="run seeds N … N+seeds-1 (default 0): to extend a study, or run its seeds on two machines")
     parser.add_argument("--rl-steps", type=int, help="override every env's RL steps")
     parser.add_argument("--sft-steps", type=int, help="override every env's SFT (warm-start) steps")
     parser.add_argument("--model", help="model id or path instead of the size's (None = tiny random Qwen2)")
@@ -105,7 +107,8 @@ def main(argv=None):
     work_dir, out = Path(args.work_dir), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    print(f"{args.size} size: envs {list(size.envs)}, presets {args.presets}, {size.seeds} seeds, {size.jobs} jobs", flush=True)
+    seeds = list(range(args.first_seed, args.first_seed + size.seeds))
+    print(f"{args.size} size: envs {list(size.envs)}, presets {args.presets}, seeds {seeds}, {size.jobs} jobs", flush=True)
 
     base = {"size": size, "work_dir": str(work_dir), "threads": args.threads, "overrides": args.overrides}
     warm_jobs = [dict(base, plan=plan) for plan in size.envs.values()]
@@ -122,7 +125,7 @@ def main(argv=None):
         return {"warm_starts": warms}
 
     rl_jobs = [dict(base, plan=plan, preset=preset, seed=seed)
-               for seed in range(size.seeds) for plan in size.envs.values() for preset in args.presets]
+               for seed in seeds for plan in size.envs.values() for preset in args.presets]
     print(f"{len(rl_jobs)} RL runs ...", flush=True)
     paths = [work_dir / job["plan"].env / "runs" / f"{job['preset']}-seed{job['seed']}.json" for job in rl_jobs]
     runs = run_jobs(rl_job, rl_jobs, size.jobs, paths, args.resume)
@@ -131,7 +134,7 @@ def main(argv=None):
     if sum(1 for host in ran_on if host["platform"]) > 1:  # results written before hosts were recorded have none
         print(f"note: the warm starts and runs come from {len(ran_on)} hosts ({ran_on}): runs of one seed draw the same "
               "tasks but are not batch-identical across hosts", flush=True)
-    result = {"size": args.size, "presets": args.presets, "seeds": size.seeds, "overrides": args.overrides, "model": size.model or
+    result = {"size": args.size, "presets": args.presets, "seeds": seeds, "overrides": args.overrides, "model": size.model or
               f"tiny random Qwen2 ({size.hidden_size} x {size.layers})", "machine": common.machine(), "hosts": ran_on, "envs": {}}
     for warm, plan in zip(warms, size.envs.values()):
         mine = [run for run in runs if run["env"] == plan.env]

@@ -39,7 +39,7 @@ def test_learning_study(tmp_path):
     assert (tmp_path / "learning_tiny.png").stat().st_size > 0
     env = result["envs"]["tiny"]
     assert all(is_rate(e["success_rate"]) for e in env["warm_start"]["evals"])
-    assert set(env["presets"]) == PRESETS and "bipace_q" in printed
+    assert set(env["presets"]) == PRESETS and "bipace_q" in printed and result["seeds"] == [0]
     assert "valid, final success per task type" in printed
     for row in env["presets"].values():
         final, peak = row["final"]["valid"], row["peak"]
@@ -69,6 +69,15 @@ def test_learning_study(tmp_path):
     warm = json.loads((tmp_path / "warm" / "learning_quick_tiny_warm.json").read_text())
     assert warm["evals"] == env["warm_start"]["evals"]
     assert not (tmp_path / "warm" / "learning_study.json").exists()
+
+    # --first-seed extends the study from the same warm start: seed 1 only, seed 0's runs untouched
+    run("learning_study", "--out", tmp_path / "more", "--work-dir", tmp_path / "work", "--resume", "--first-seed", "1",
+        "--presets", "grpo")
+    more = json.loads((tmp_path / "more" / "learning_study.json").read_text())
+    assert more["seeds"] == [1] and [(r["preset"], r["seed"]) for r in more["envs"]["tiny"]["runs"]] == [("grpo", 1)]
+    assert more["envs"]["tiny"]["warm_start"]["evals"] == env["warm_start"]["evals"]
+    assert sorted(p.name for p in (tmp_path / "work" / "tiny" / "runs").glob("*.json")) == sorted(
+        [f"{preset}-seed0.json" for preset in PRESETS] + ["grpo-seed1.json"])
 
 
 @pytest.mark.slow
