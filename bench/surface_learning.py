@@ -3,10 +3,12 @@
     python -m bench.surface_learning docs/results/surface_tiny/learning_study_cpu-surface.json
     python -m bench.surface_learning --runs outputs/learning_textcraft_surface/textcraft/runs \
         --warm docs/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json   # a study still running
+    python -m bench.surface_learning --runs A/runs --warm A/warm.json --runs B/runs --warm B/warm.json  # seeds of two warm starts
 
 Reads a finished `bench.learning_study` result (e.g. `--size cpu-surface`, or
 `--size cpu-textcraft-surface --set train_tasks=8`), or with `--runs` the runs a study still
-running has finished (each run's JSON and the warm start's), and prints, per preset: training-batch
+running has finished (each run's JSON and the warm start's; `--runs`/`--warm` repeated: seeds that
+ran from different warm starts, each seed's runs from one), and prints, per preset: training-batch
 success over the first and the last third of the steps and the final held-out success, each
 as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
 the same tasks at every step, so a preset's training-batch success minus GiGPO's on the same
@@ -91,10 +93,12 @@ def summarise(runs: list[dict[str, Any]], validation: str) -> dict[str, Any]:
     return out
 
 
-def table(summary: dict[str, Any], warm: float) -> str:
+def table(summary: dict[str, Any], warm: float | list[float]) -> str:
+    """The summary as a Markdown table; `warm` is the warm start's held-out success (a list: one per warm start)."""
+    warm_text = f"warm start {warm:.3f}" if isinstance(warm, float) else "warm starts " + " / ".join(f"{w:.3f}" for w in warm)
     lines = [
-        "| preset | train success, first third | last third | held-out final (warm start "
-        f"{warm:.3f}) | − GiGPO, paired, 2nd half (per seed) | singletons hash / hidden | non-zero advantage "
+        "| preset | train success, first third | last third | held-out final ("
+        f"{warm_text}) | − GiGPO, paired, 2nd half (per seed) | singletons hash / hidden | non-zero advantage "
         "| leading steps with GRPO's batch and advantages (per seed) | run s (mean, min–max) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -144,31 +148,72 @@ def plot(runs: list[dict[str, Any]], validation: str, path: Path) -> None:
     plt.close(fig)
 
 
+def warm_success(warm: dict[str, Any], validation: str) -> float:
+    return next(e["success_rate"] for e in warm["evals"] if e["split"] == validation)
+
+
 def report(env: str, validation: str, warm: dict[str, Any], runs: list[dict[str, Any]], plot_path: Path) -> dict[str, Any]:
     """Prints the table of one env's runs against its warm start's `validation` success and draws the plot."""
-    start = next(e["success_rate"] for e in warm["evals"] if e["split"] == validation)
     summary = summarise(runs, validation)
-    print(f"\n{env} ({validation}):\n{table(summary, start)}")
+    print(f"\n{env} ({validation}):\n{table(summary, warm_success(warm, validation))}")
     plot(runs, validation, plot_path)
     return summary
+
+
+def report_groups(validation: str, groups: list[tuple[dict[str, Any], list[dict[str, Any]]]], plot_path: Path) -> dict[str, Any]:
+    """Seeds that ran from different warm starts (`groups`: (warm start, its runs)): a table per warm start,
+    then one over every seed. Each seed's presets share a warm start and its task draws, so the paired
+    differences stay paired; the spread over seeds now also holds the warm starts' difference."""
+    env = groups[0][0]["env"]
+    for i, (warm, runs) in enumerate(groups):
+        seeds = sorted({run["seed"] for run in runs})
+        print(f"\n{env} ({validation}), warm start {i + 1} ({(warm.get('machine') or {}).get('platform', 'host unknown')}), "
+              f"seeds {seeds}:\n{table(summarise(runs, validation), warm_success(warm, validation))}")
+    runs = [run for _, mine in groups for run in mine]
+    summary = summarise(runs, validation)
+    print(f"\n{env} ({validation}), every seed:\n{table(summary, [warm_success(w, validation) for w, _ in groups])}")
+    plot(runs, validation, plot_path)
+    return summary
+
+
+def read_groups(parser: argparse.ArgumentParser, args) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """(warm start, runs) per `--runs`/`--warm` pair; a preset and seed in two folders is an error."""
+    if len(args.warm or []) != len(args.runs):
+        parser.error(f"--runs was given {len(args.runs)} times and --warm {len(args.warm or [])}: give each folder of runs "
+                     "its warm start's JSON (learning_<size>_<env>_warm.json), in the same order")
+    groups, seen = [], {}
+    for runs_dir, warm_path in zip(args.runs, args.warm):
+        runs = [json.loads(path.read_text()) for path in sorted(runs_dir.glob("*-seed*.json"))]
+        if not runs:
+            parser.error(f"--runs {runs_dir}: no <preset>-seed<n>.json in it")
+        for run in runs:
+            key = (run["preset"], run["seed"])
+            if key in seen:
+                parser.error(f"--runs: {key[0]} seed {key[1]} is in both {seen[key]} and {runs_dir}; a seed's runs must "
+                             "come from one warm start, keep one of them")
+            seen[key] = runs_dir
+        groups.append((json.loads(warm_path.read_text()), runs))
+    if len({warm["env"] for warm, _ in groups}) > 1:
+        parser.error(f"--warm: the warm starts are of different envs ({sorted({w['env'] for w, _ in groups})})")
+    return groups
 
 
 def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("result", type=Path, nargs="?", help="a learning_study JSON")
-    parser.add_argument("--runs", type=Path, help="instead: a folder of finished runs' JSON (a study still running: "
-                        "<work-dir>/<env>/runs, or a copy of them)")
-    parser.add_argument("--warm", type=Path, help="with --runs: their warm start's JSON")
+    parser.add_argument("--runs", type=Path, action="append", help="instead: a folder of finished runs' JSON (a study "
+                        "still running: <work-dir>/<env>/runs, or a copy of them); repeat it for seeds of another warm start")
+    parser.add_argument("--warm", type=Path, action="append", help="with --runs: their warm start's JSON (once per --runs)")
     parser.add_argument("--split", default="valid", help="with --runs: the held-out split (default: valid)")
+    parser.add_argument("--plot", type=Path, help="with --runs: the plot's path (default: <first --runs>/vs_gigpo.png)")
     args = parser.parse_args(argv)
     if args.runs:
-        if not args.warm:
-            parser.error("--runs needs --warm, the warm start's JSON (learning_<size>_<env>_warm.json)")
-        runs = [json.loads(path.read_text()) for path in sorted(args.runs.glob("*-seed*.json"))]
-        if not runs:
-            parser.error(f"--runs {args.runs}: no <preset>-seed<n>.json in it")
-        warm = json.loads(args.warm.read_text())
-        return {warm["env"]: report(warm["env"], args.split, warm, runs, args.runs / "vs_gigpo.png")}
+        groups = read_groups(parser, args)
+        plot_path = args.plot or args.runs[0] / "vs_gigpo.png"
+        (warm, runs), env = groups[0], groups[0][0]["env"]
+        if len(groups) == 1:
+            return {env: report(env, args.split, warm, runs, plot_path)}
+        return {env: report_groups(args.split, groups, plot_path)}
     if not args.result:
         parser.error("give a learning_study JSON, or --runs and --warm")
     result = json.loads(args.result.read_text())

@@ -72,3 +72,36 @@ def test_a_study_still_running_is_reported_from_its_run_files(tmp_path, capsys):
     assert "warm start 0.062" in capsys.readouterr().out and (runs_dir / "vs_gigpo.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         main(["--runs", str(runs_dir)])  # without the warm start's JSON
+
+
+def _write(folder, runs, warm_success, env="textcraft"):
+    folder.mkdir()
+    for run in runs:
+        (folder / f"{run['preset']}-seed{run['seed']}.json").write_text(json.dumps(run))
+    warm = folder / "warm.json"
+    warm.write_text(json.dumps({"env": env, "evals": [{"split": "valid", "success_rate": warm_success}]}))
+    return ["--runs", str(folder), "--warm", str(warm)]
+
+
+def test_seeds_of_two_warm_starts_are_paired_within_their_seed_and_pooled(tmp_path, capsys):
+    a = _write(tmp_path / "a", [_run("gigpo", 0, [0.2, 0.4, 0.5, 0.5], [0.1, 0.2]),
+                                _run("bipace_q", 0, [0.2, 0.4, 0.7, 0.6], [0.1, 0.4])], 0.0625)
+    b = _write(tmp_path / "b", [_run("gigpo", 1, [0.3, 0.3, 0.3, 0.3], [0.2, 0.2]),
+                                _run("bipace_q", 1, [0.3, 0.3, 0.2, 0.3], [0.2, 0.1])], 0.125)
+    plot_path = tmp_path / "both.png"
+    reports = main([*a, *b, "--plot", str(plot_path)])
+    assert reports["textcraft"]["bipace_q"]["seeds"] == [0, 1]
+    assert reports["textcraft"]["bipace_q"]["minus_gigpo_per_seed"] == pytest.approx([0.15, -0.05])
+    printed = capsys.readouterr().out
+    assert "warm start 1" in printed and "seeds [0]" in printed and "seeds [1]" in printed
+    assert "every seed" in printed and "warm starts 0.062 / 0.125" in printed and plot_path.stat().st_size > 0
+
+    again = _write(tmp_path / "c", [_run("gigpo", 1, [0.3, 0.3, 0.3, 0.3], [0.2, 0.2])], 0.125)
+    with pytest.raises(SystemExit):
+        main([*b, *again])  # gigpo seed 1 in two folders: which warm start is it paired on?
+    assert "gigpo seed 1 is in both" in capsys.readouterr().err
+    other = _write(tmp_path / "d", [_run("gigpo", 2, [0.3], [0.2])], 0.5, env="alfworld")
+    with pytest.raises(SystemExit):
+        main([*a, *other])
+    with pytest.raises(SystemExit):
+        main([*a, "--runs", str(tmp_path / "b")])  # a second --runs without its --warm
