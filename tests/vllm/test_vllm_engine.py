@@ -198,10 +198,20 @@ def test_trl_environment_factory_trains_and_evaluates_with_the_engine(venv_pytho
     # rollout the weights step 1 trained
     assert run["weight_syncs"] == [1.0, 2.0]
     assert [(e["tag"], e["num_tasks"]) for e in run["eval_history"]] == [("before", 2), ("final", 2)]
-    # the dumps of both steps and both evaluations hold the parsed tool calls
+    # the dumps of both steps and both evaluations hold each turn's parsed tool call, or the reply as
+    # the model wrote it when it held none (after two steps at this learning rate the tiny policy may
+    # write only broken calls: on one host type its final evaluation did)
     assert sorted(run["dumps"]) == ["eval-before-step-000000.jsonl", "eval-final-step-000002.jsonl",
                                     "step-000001.jsonl", "step-000002.jsonl"]  # fmt: skip
     for name, episodes in run["dumps"].items():
-        dumped = [json.loads(t["action"]) for e in episodes for t in e["turns"] if t["action"]]
-        assert dumped and all(call[0]["name"] == "act" for call in dumped), name
+        turns = [t for e in episodes for t in e["turns"]]
+        assert turns, name
+        for turn in turns:
+            if turn["action"]:
+                assert all(call["name"] == "act" for call in json.loads(turn["action"])), name
+            else:
+                assert turn["reply"], name
+    # the warm start calls its tool: its evaluation and the first rollouts hold parsed calls
+    for name in ("eval-before-step-000000.jsonl", "step-000001.jsonl"):
+        assert any(t["action"] for e in run["dumps"][name] for t in e["turns"]), name
     print(f"warm start {run['warm_seconds']:.0f} s, training and evaluations {run['train_seconds']:.0f} s")
