@@ -80,6 +80,8 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a BiPACEConfig field in every RL run (ablations), e.g. --set cluster_eps=0.05")
     args = parser.parse_args(argv)
+    if args.first_seed < 0:
+        parser.error(f"--first-seed {args.first_seed}: seeds start at 0 or above, e.g. --first-seed 3 to add seeds 3, 4, ...")
     args.overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")

@@ -131,6 +131,13 @@ def test_every_study_size_builds_valid_rl_configs(tmp_path):
             assert config.num_generations == plan.num_generations, name
 
 
+def test_learning_study_first_seed_must_not_be_negative(capsys):
+    assert learning_study.parse_args(["--first-seed", "3"]).first_seed == 3
+    with pytest.raises(SystemExit):
+        learning_study.parse_args(["--first-seed", "-1"])
+    assert "--first-seed -1" in capsys.readouterr().err
+
+
 def test_learning_study_step_overrides_reach_every_env():
     args = learning_study.parse_args(["--size", "cpu-envs", "--rl-steps", "3", "--sft-steps", "7", "--envs", "textcraft"])
     size = learning_study.resolve_size(args)
