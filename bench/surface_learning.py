@@ -210,8 +210,9 @@ def main(argv=None) -> dict[str, Any]:
     if args.runs:
         groups = read_groups(parser, args)
         plot_path = args.plot or args.runs[0] / "vs_gigpo.png"
-        (warm, runs), env = groups[0], groups[0][0]["env"]
+        env = groups[0][0]["env"]
         if len(groups) == 1:
+            warm, runs = groups[0]
             return {env: report(env, args.split, warm, runs, plot_path)}
         return {env: report_groups(args.split, groups, plot_path)}
     if not args.result:
