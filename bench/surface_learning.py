@@ -3,14 +3,14 @@
     python -m bench.surface_learning docs/results/surface_tiny/learning_study_cpu-surface.json
     python -m bench.surface_learning --runs outputs/learning_textcraft_surface/textcraft/runs \
         --warm docs/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json   # a study still running
-    python -m bench.surface_learning --runs A/runs --warm A/warm.json --runs B/runs --warm B/warm.json  # seeds of two warm starts
+    python -m bench.surface_learning --runs A/runs --warm A/warm.json --runs B/study.json --warm B/warm.json  # two warm starts
 
 Reads a finished `bench.learning_study` result (e.g. `--size cpu-surface`, or
 `--size cpu-textcraft-surface --set train_tasks=8`), or with `--runs` the runs a study still
-running has finished (each run's JSON and the warm start's; `--runs`/`--warm` repeated: seeds that
-ran from different warm starts, each seed's runs from one), and prints, per preset: training-batch
-success over the first and the last third of the steps and the final held-out success, each
-as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
+running has finished (each run's JSON and the warm start's; `--runs` also takes a finished study's
+JSON; `--runs`/`--warm` repeated: seeds that ran from different warm starts, each seed's runs from
+one), and prints, per preset: training-batch success over the first and the last third of the
+steps and the final held-out success, each as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
 the same tasks at every step, so a preset's training-batch success minus GiGPO's on the same
 seed, averaged over the second half, removes how hard each step's tasks were), per seed and
 with its interval; the partitions' singleton rates and the share of steps with a non-zero
@@ -176,6 +176,15 @@ def report_groups(validation: str, groups: list[tuple[dict[str, Any], list[dict[
     return summary
 
 
+def read_runs(path: Path) -> list[dict[str, Any]]:
+    """The runs in a folder of `<preset>-seed<n>.json`, or in a finished learning_study JSON (its one env's)."""
+    if path.is_dir():
+        return [json.loads(run.read_text()) for run in sorted(path.glob("*-seed*.json"))]
+    if not path.is_file():
+        return []
+    return [run for entry in json.loads(path.read_text()).get("envs", {}).values() for run in entry.get("runs", [])]
+
+
 def read_groups(parser: argparse.ArgumentParser, args) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     """(warm start, runs) per `--runs`/`--warm` pair; a preset and seed in two folders is an error."""
     if len(args.warm or []) != len(args.runs):
@@ -183,9 +192,10 @@ def read_groups(parser: argparse.ArgumentParser, args) -> list[tuple[dict[str, A
                      "its warm start's JSON (learning_<size>_<env>_warm.json), in the same order")
     groups, seen = [], {}
     for runs_dir, warm_path in zip(args.runs, args.warm):
-        runs = [json.loads(path.read_text()) for path in sorted(runs_dir.glob("*-seed*.json"))]
+        runs = read_runs(runs_dir)
         if not runs:
-            parser.error(f"--runs {runs_dir}: no <preset>-seed<n>.json in it")
+            parser.error(f"--runs {runs_dir}: no <preset>-seed<n>.json in it" if runs_dir.is_dir() else
+                         f"--runs {runs_dir}: neither a folder of runs nor a learning_study JSON with runs")
         for run in runs:
             key = (run["preset"], run["seed"])
             if key in seen:
@@ -202,7 +212,8 @@ def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("result", type=Path, nargs="?", help="a learning_study JSON")
     parser.add_argument("--runs", type=Path, action="append", help="instead: a folder of finished runs' JSON (a study "
-                        "still running: <work-dir>/<env>/runs, or a copy of them); repeat it for seeds of another warm start")
+                        "still running: <work-dir>/<env>/runs, or a copy of them) or a finished study's JSON; repeat it "
+                        "for seeds of another warm start")
     parser.add_argument("--warm", type=Path, action="append", help="with --runs: their warm start's JSON (once per --runs)")
     parser.add_argument("--split", default="valid", help="with --runs: the held-out split (default: valid)")
     parser.add_argument("--plot", type=Path, help="with --runs: the plot's path (default: <first --runs>/vs_gigpo.png)")

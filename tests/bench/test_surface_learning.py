@@ -105,3 +105,22 @@ def test_seeds_of_two_warm_starts_are_paired_within_their_seed_and_pooled(tmp_pa
         main([*a, *other])
     with pytest.raises(SystemExit):
         main([*a, "--runs", str(tmp_path / "b")])  # a second --runs without its --warm
+
+
+def test_runs_from_a_finished_study_json_read_as_its_folder_does(tmp_path, capsys):
+    runs = [_run("gigpo", 0, [0.2, 0.4, 0.5, 0.5], [0.1, 0.2]), _run("bipace_q", 0, [0.2, 0.4, 0.7, 0.6], [0.1, 0.4])]
+    folder = _write(tmp_path / "a", runs, 0.0625)
+    study = tmp_path / "study.json"
+    study.write_text(json.dumps({"envs": {"textcraft": {"runs": runs}}}))
+    from_folder = main([*folder, "--plot", str(tmp_path / "1.png")])
+    printed_folder = capsys.readouterr().out
+    warm = folder[3]  # ["--runs", folder, "--warm", warm.json]
+    from_study = main(["--runs", str(study), "--warm", warm, "--plot", str(tmp_path / "2.png")])
+    # the same report; the table's rows follow the runs' order (a folder's file names, the study's presets)
+    assert from_study == from_folder and sorted(capsys.readouterr().out.splitlines()) == sorted(printed_folder.splitlines())
+
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"envs": {}}))
+    with pytest.raises(SystemExit):
+        main(["--runs", str(empty), "--warm", warm])
+    assert "neither a folder of runs nor a learning_study JSON" in capsys.readouterr().err
