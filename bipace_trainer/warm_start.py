@@ -370,13 +370,21 @@ def load_warm_start(model, path: str | Path):
     config = _require_adapter(path)
     _check_base_model(path, config, model)
     try:
-        return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+        policy = PeftModel.from_pretrained(model, str(path), is_trainable=True)
     except RuntimeError as err:  # "size mismatch for ...": an adapter of another base model
         base = getattr(getattr(model, "config", None), "_name_or_path", "this model")
         raise ValueError(
             f"warm_start_from={str(path)!r} does not fit {base} ({str(err).splitlines()[0][:200]}): it was trained "
             "on another base model. Build one for this model with --warm_start_steps N, or pass --warm_start_from ''."
         ) from None
+    # The adapter's config names the base model as it was where the adapter was built (the shipped
+    # warm start: another machine's cache path). RL continues it on this base model, so the adapters
+    # this run saves name this one, and peft finds its config when it saves them.
+    base = getattr(getattr(model, "config", None), "_name_or_path", "")
+    if base:
+        for config in policy.peft_config.values():
+            config.base_model_name_or_path = base
+    return policy
 
 
 def _check_base_model(path: Path, config: dict[str, Any], model) -> None:

@@ -114,6 +114,35 @@ def test_the_main_job_loads_the_shipped_adapter_by_default():
     assert (Path(train.SHIPPED_WARM_START) / "adapter_config.json").is_file()
 
 
+def test_a_loaded_adapter_names_the_base_model_it_sits_on_now(tmp_path):
+    """The shipped warm start was built on another machine, and its adapter_config.json names that
+    machine's cache path as the base model. Loaded here, the adapter must name this run's base model,
+    so the adapters RL saves point at a model that exists (bipace-eval loads their base from it) and
+    peft, which looks for the base model's config when it saves, warns nothing."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.trainer.tiny_setup import make_model, make_tokenizer
+
+    built, here = tmp_path / "built_elsewhere", tmp_path / "here"
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(built)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(built), lora).save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(built)
+    built.rename(here)  # the machine the adapter was built on is gone
+
+    policy = load_warm_start(AutoModelForCausalLM.from_pretrained(here), tmp_path / "adapter")
+    assert policy.peft_config["default"].base_model_name_or_path == str(here)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy.save_pretrained(tmp_path / "after_rl")
+    assert not [w for w in caught if "Could not find a config file" in str(w.message)]
+    assert json.loads((tmp_path / "after_rl" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(here)
+
+
 @pytest.mark.slow
 def test_warm_start_then_rl_then_eval(raw_tiny_dir, tmp_path):
     """train.py's main-job path on the tiny setup: SFT on expert play makes the random policy act
