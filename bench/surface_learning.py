@@ -10,15 +10,15 @@ Reads a finished `bench.learning_study` result (e.g. `--size cpu-surface`, or
 running has finished (each run's JSON and the warm start's; `--runs` also takes a finished study's
 JSON; `--runs`/`--warm` repeated: seeds that ran from different warm starts, each seed's runs from
 one), and prints, per preset: training-batch success over the first and the last third of the
-steps and the final held-out success, each as mean and 95% t-interval over seeds; the paired difference to GiGPO (runs of one seed draw
-the same tasks at every step, so a preset's training-batch success minus GiGPO's on the same
-seed, averaged over the second half, removes how hard each step's tasks were), per seed and
-with its interval; the partitions' singleton rates and the share of steps with a non-zero
-advantage; per seed, how many leading steps a run shares with GRPO's of the same seed (same
-batch success, length and advantage spread: at a variation where every hash cell is a
-singleton GiGPO's step term is 0 and its run is GRPO's until two renderings collide); and the
-runs' wall time. Draws <json stem>_vs_gigpo.png next
-to the JSON: the paired difference to GiGPO per step (mean over seeds) and held-out success.
+steps and the final held-out success, each as mean and 95% t-interval over seeds; the paired
+difference to GiGPO (runs of one seed draw the same tasks at every step, so a preset's
+training-batch success minus GiGPO's on the same seed, averaged over the second half, removes
+how hard each step's tasks were), per seed and with its interval; the partitions' singleton
+rates and the share of steps with a non-zero advantage; per seed, how many leading steps a run
+shares with GRPO's of the same seed (same batch success, length and advantage spread: at a
+variation where every hash cell is a singleton GiGPO's step term is 0 and its run is GRPO's
+until two renderings collide); and the runs' wall time. Draws <json stem>_vs_gigpo.png next to
+the JSON: the paired difference to GiGPO per step (mean over seeds) and held-out success.
 """
 
 from __future__ import annotations

@@ -382,8 +382,8 @@ def load_warm_start(model, path: str | Path):
     # this run saves name this one, and peft finds its config when it saves them.
     base = getattr(getattr(model, "config", None), "_name_or_path", "")
     if base:
-        for config in policy.peft_config.values():
-            config.base_model_name_or_path = base
+        for adapter_config in policy.peft_config.values():
+            adapter_config.base_model_name_or_path = base
     return policy
 
 
