@@ -291,7 +291,7 @@ def train_warm_start(model, tokenizer, rows, peft_config, warm_args: WarmStartAr
         "loss": losses,
         "seconds": time.perf_counter() - start,
         "adapter": str(output_dir),
-        "base_model": getattr(getattr(model, "config", None), "_name_or_path", None),
+        "base_model": _base_name(model) or None,
         "base_fingerprint": fingerprint,
     }
     # Whole or not at all: a kill mid-save leaves the staging folder, never a warm start that looks finished.
@@ -372,7 +372,7 @@ def load_warm_start(model, path: str | Path):
     try:
         policy = PeftModel.from_pretrained(model, str(path), is_trainable=True)
     except RuntimeError as err:  # "size mismatch for ...": an adapter of another base model
-        base = getattr(getattr(model, "config", None), "_name_or_path", "this model")
+        base = _base_name(model) or "this model"
         raise ValueError(
             f"warm_start_from={str(path)!r} does not fit {base} ({str(err).splitlines()[0][:200]}): it was trained "
             "on another base model. Build one for this model with --warm_start_steps N, or pass --warm_start_from ''."
@@ -380,11 +380,16 @@ def load_warm_start(model, path: str | Path):
     # The adapter's config names the base model as it was where the adapter was built (the shipped
     # warm start: another machine's cache path). RL continues it on this base model, so the adapters
     # this run saves name this one, and peft finds its config when it saves them.
-    base = getattr(getattr(model, "config", None), "_name_or_path", "")
+    base = _base_name(model)
     if base:
         for adapter_config in policy.peft_config.values():
             adapter_config.base_model_name_or_path = base
     return policy
+
+
+def _base_name(model) -> str:
+    """The name or path `model` was loaded from ("" when it has none, e.g. built from a config)."""
+    return getattr(getattr(model, "config", None), "_name_or_path", "") or ""
 
 
 def _check_base_model(path: Path, config: dict[str, Any], model) -> None:
@@ -395,7 +400,7 @@ def _check_base_model(path: Path, config: dict[str, Any], model) -> None:
     except (OSError, ValueError):
         info = {}
     saved = info.get("base_fingerprint") if isinstance(info, dict) else None
-    base = getattr(getattr(model, "config", None), "_name_or_path", "") or "this model"
+    base = _base_name(model) or "this model"
     if saved and not same_base(saved, model):
         raise ValueError(
             f"warm_start_from={str(path)!r} was trained on another base model ({info.get('base_model') or 'unknown'}), "
