@@ -62,6 +62,7 @@ MAX_ALL_FAILED_GENERATIONS = 3
 # (rates, means, seconds, settings) is averaged. A name ending in "/" covers the family under it.
 SUMMED_OVER_RANKS = (
     "episode/steps", "episode/env_failures", "episode/padded_rows", "env/steps", "env/failures", "env/failures/",
+    "train/masked_failed_episodes", "train/masked_failed_steps",
 )
 _DUMMY_PROMPT = [{"role": "user", "content": "."}]
 
@@ -122,6 +123,8 @@ class TextEnvSource:
     """Our `TextEnv`s by registry name or dotted path (`args.env_name`, `args.env_kwargs`):
     a dataset row is {"task_id": int}; evaluation plays `eval_tasks` of a split."""
 
+    uses_reward_funcs = False  # the env's own rewards (TRL's reward column is the placeholder `env_reward`)
+
     def __init__(self, args):
         self.args = args
         self.name = args.env_name  # what the model card calls the env
@@ -165,6 +168,7 @@ class ToolEnvSource:
 
     report_key = None
     reports_score = False
+    uses_reward_funcs = True  # the episode reward is TRL's reward_funcs (get_reward and the user's)
 
     def __init__(self, trainer: GRPOTrainer, num_user_reward_funcs: int, eval_rows: list[dict[str, Any]] | None):
         self.trainer = trainer
@@ -177,7 +181,7 @@ class ToolEnvSource:
     def env_factory(self) -> tuple[Any, dict[str, Any]]:
         factories = self.trainer.environment_factories
         multi = factories is not None and self.trainer._multi_environment
-        return functools.partial(ToolSession, factories, self.trainer._standalone_tools, multi), {}
+        return functools.partial(ToolSession, factories, self.trainer._standalone_tools, multi, self.trainer.args.tool_errors), {}
 
     def adapter(self, settings: RolloutSettings) -> EnvAdapter:
         return ToolEnvAdapter(self.trainer, self.num_user_reward_funcs)

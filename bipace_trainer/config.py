@@ -91,7 +91,7 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "require_think",
-        "action_key_tokens", "resample_without_signal", "resample_max_seconds",
+        "action_key_tokens", "resample_without_signal", "resample_max_seconds", "penalize_env_failures", "tool_errors",
     ),
     "what a run records": ("rollout_dump_steps",),
 }
@@ -162,8 +162,12 @@ class BiPACEConfig(GRPOConfig):
         that leaves the state alone, seeded by `surface_seed` (`envs.surface.SurfaceVariation`).
     max_turns (`int`, 15): turn budget per episode; a trajectory that hits it is truncated.
     history_length (`int`, 2): observation/action pairs of history in each prompt.
-    tasks_per_iteration (`int`, 4): task groups per generation, over all processes; each is
-        rolled out `num_generations` times (G). Sets `generation_batch_size`.
+    tasks_per_iteration (`int` or `None`): task groups per generation, over all processes; each is
+        rolled out `num_generations` times (G). Set, it sets `generation_batch_size` = tasks × G;
+        left at None, the schedule is TRL's own (`generation_batch_size`, `steps_per_generation`,
+        `per_device_train_batch_size` as `GRPOConfig` reads them) and this field is derived from it:
+        `generation_batch_size / num_generations`. So a `GRPOConfig`'s arguments give the same
+        generations, episodes per generation and optimizer steps under `BiPACEConfig`.
     train_split, eval_split (`str`): the env's task splits for training and evaluation.
     train_tasks (`int`, 0): train on this many tasks of `train_split`, dealt in turn over the
         env's task types (`envs.base.stratified_subset`; 0: all); fewer tasks are each drawn
@@ -187,6 +191,15 @@ class BiPACEConfig(GRPOConfig):
     resample_max_seconds (`float`, 0): stop resampling one generation once this many seconds
         have passed since its first redraw (0: bounded by `resample_without_signal` alone;
         a time bound makes runs depend on the machine's speed).
+    penalize_env_failures (`bool`, False): an episode the env failed (it raised, hung past
+        `env_step_timeout`, returned garbage, its server was lost) is not the policy's failure, so by
+        default its steps leave the batch: out of the loss and out of their group's statistics (a
+        sibling's win does not push them down); `train/masked_failed_episodes` counts them. True
+        trains them as played, with reward 0 (the behaviour before this option).
+    tool_errors (`str`, `"observe"`): with TRL's envs, a tool that raises, a call to a tool the env
+        lacks, or arguments the tool does not take: `observe` returns `{'error': ...}` to the model
+        as the tool's result and lets the episode go on (TRL's behaviour; counted in
+        `tools/failure_frequency`); `fail` ends the episode as an env failure instead.
     require_think (`bool`, False): a reply without `<think>…</think>` counts as invalid.
     action_key_tokens (`int`, 0): key actions on their first k completion tokens instead of
         the normalised action text (0).
@@ -304,8 +317,12 @@ class BiPACEConfig(GRPOConfig):
     )
     max_turns: int = field(default=15, metadata={"help": "Turn budget per episode (ALFWorld papers: 50)."})
     history_length: int = field(default=2, metadata={"help": "Observation/action pairs of history in each prompt."})
-    tasks_per_iteration: int = field(
-        default=4, metadata={"help": "Task groups per generation over all processes (papers: 16)."}
+    tasks_per_iteration: int | None = field(
+        default=None,
+        metadata={
+            "help": "Task groups per generation over all processes (papers: 16); sets generation_batch_size = "
+            "tasks × num_generations. None: TRL's schedule, generation_batch_size / num_generations."
+        },
     )
     train_split: str = field(default="train", metadata={"help": "Env task split used for training."})
     eval_split: str = field(default="valid", metadata={"help": "Env task split used for evaluation."})
@@ -323,6 +340,14 @@ class BiPACEConfig(GRPOConfig):
     env_workers: int | None = field(default=None, metadata={"help": "Worker threads/processes for the env batch."})
     env_step_timeout: float = field(default=60.0, metadata={"help": "Seconds before a hanging env step fails."})
     rollout_batch_size: int = field(default=0, metadata={"help": "Most prompts per generate call (0: all)."})
+    penalize_env_failures: bool = field(
+        default=False,
+        metadata={"help": "Train env-failed episodes with reward 0 (false: mask them out of the loss and group stats)."},
+    )
+    tool_errors: str = field(
+        default="observe",
+        metadata={"help": "observe (the tool's error is its result, as TRL) | fail (the episode ends as an env failure)."},
+    )
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})
     resample_without_signal: int = field(
@@ -365,7 +390,8 @@ class BiPACEConfig(GRPOConfig):
             )
         if self.importance_sampling_level is None:
             self.importance_sampling_level = self.estimator.importance_sampling_level
-        if self.generation_batch_size is None and self.steps_per_generation is None:
+        ours = self.tasks_per_iteration is not None  # else TRL's schedule, tasks derived from it below
+        if ours and self.generation_batch_size is None and self.steps_per_generation is None:
             self.generation_batch_size = self.tasks_per_iteration * self.num_generations
         if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
             # TRL defaults to bf16, which transformers refuses on a CPU-only machine: train in fp32 there.
@@ -381,7 +407,7 @@ class BiPACEConfig(GRPOConfig):
                     "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible: run on a GPU, "
                     "or on this CPU add --bf16 false (float32) or --use_cpu true (bf16 on the CPU)."
                 ) from None
-            if "divisible" not in str(err):
+            if "divisible" not in str(err) or not ours:
                 raise
             raise ValueError(
                 f"{err} Here generation_batch_size = tasks_per_iteration × num_generations = "
@@ -390,16 +416,21 @@ class BiPACEConfig(GRPOConfig):
             ) from None
         if _PRINTING_ONLY:
             self.bf16, self.fp16 = precision
+        if not ours:
+            self.tasks_per_iteration = self.generation_batch_size // self.num_generations
+        elif self.generation_batch_size != self.tasks_per_iteration * self.num_generations:
+            raise ValueError(
+                f"tasks_per_iteration={self.tasks_per_iteration} asks for generation_batch_size = tasks_per_iteration × "
+                f"num_generations = {self.tasks_per_iteration * self.num_generations}, but generation_batch_size / "
+                f"steps_per_generation give {self.generation_batch_size}; set tasks_per_iteration or TRL's batch "
+                "arguments, not both."
+            )
         world = self.world_size
         if self.tasks_per_iteration % world:
+            what = "tasks_per_iteration" if ours else "generation_batch_size / num_generations (task groups per generation)"
             raise ValueError(
-                f"tasks_per_iteration={self.tasks_per_iteration} must be divisible by the number of processes ({world}) "
+                f"{what} = {self.tasks_per_iteration} must be divisible by the number of processes ({world}) "
                 "so that no task group is split across ranks; raise it to a multiple of the world size."
-            )
-        if self.generation_batch_size != self.tasks_per_iteration * self.num_generations:
-            raise ValueError(
-                f"generation_batch_size={self.generation_batch_size} must equal tasks_per_iteration × num_generations "
-                f"= {self.tasks_per_iteration * self.num_generations}; set tasks_per_iteration instead."
             )
 
     def _check_rollout_fields(self):
@@ -422,7 +453,8 @@ class BiPACEConfig(GRPOConfig):
             (self.num_generations >= 2, "num_generations", "must be >= 2: group-relative estimators compare rollouts"),
             (self.max_turns >= 1, "max_turns", "must be >= 1"),
             (self.history_length >= 0, "history_length", "must be >= 0 (0 = no history)"),
-            (self.tasks_per_iteration >= 1, "tasks_per_iteration", "must be >= 1"),
+            (self.tasks_per_iteration is None or self.tasks_per_iteration >= 1, "tasks_per_iteration",
+             "must be >= 1 (or unset: TRL's schedule)"),
             (self.train_tasks >= 0, "train_tasks", "must be >= 0 (0 = the whole split)"),
             (self.eval_tasks >= 0, "eval_tasks", "must be >= 0 (0 = the whole split)"),
             (self.eval_rollouts_per_task >= 1, "eval_rollouts_per_task", "must be >= 1"),
@@ -439,6 +471,7 @@ class BiPACEConfig(GRPOConfig):
             (self.env_backend in BACKENDS, "env_backend",
              f"must be one of {tuple(BACKENDS)} (a backend registered with envs.vector.register_backend)"),
             (self.hidden_capture in ("hook", "forward"), "hidden_capture", "must be hook or forward"),
+            (self.tool_errors in ("observe", "fail"), "tool_errors", "must be observe (as TRL) or fail"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -20,6 +20,8 @@ Two ways to get it:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -65,6 +67,24 @@ def resolve_layer_module(model: nn.Module, layer: int) -> nn.Module:
     if index == num_layers and norm is not None:
         return norm
     return layers[index - 1]
+
+
+def clamp_layer(model: nn.Module, layer: int) -> int:
+    """`layer` (`cluster_layer`), or, past this model's depth, the nearest decoder layer, with a warning:
+    the default -8 (8 from the top, as the paper's -8 of 28 for a 7B model) has no meaning on a
+    model with fewer layers, and the one-word switch from GRPOTrainer must work on any model.
+    A negative index clamps to -num_layers (the first decoder layer's output, never the
+    embeddings, which only say which token came last), a positive one to num_layers."""
+    num_layers = num_hidden_layers(model)
+    clamped = max(-num_layers, min(layer, num_layers))
+    if clamped != layer:
+        warnings.warn(
+            f"cluster_layer={layer} is out of range for a model with {num_layers} layers; using cluster_layer={clamped} "
+            f"(set cluster_layer in -{num_layers + 1}..{num_layers} to choose).",
+            stacklevel=2,
+        )
+    resolve_layer_module(model, clamped)
+    return clamped
 
 
 class PrefillCapture:

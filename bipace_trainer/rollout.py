@@ -26,6 +26,7 @@ turns into a dummy generation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -146,6 +147,9 @@ class Episode:
     failure: str = ""
     score: float | None = None  # the env's own episode score (`info["score"]`, e.g. WebShop's), if it reports one
     task: str = ""  # the task text the env gave at reset
+    tool_calls: int = 0  # TRL's envs: the tool calls the episode made, and how many returned an error
+    tool_failures: int = 0
+    reward_terms: dict[str, float] = field(default_factory=dict)  # reward by source (TRL's reward_func_names), unweighted
 
 
 @dataclass
@@ -178,6 +182,16 @@ class Rollout:
             hidden=hidden,
             truncated=[last_of_cut.get(s.traj) == s.t for s in steps],
         )
+
+    def without_failed_episodes(self) -> "Rollout":
+        """The rollout with the steps of env-failed episodes left out (`penalize_env_failures=False`):
+        an env fault is not the policy's failure, so those steps enter neither the loss nor their
+        group's statistics. The episodes stay, failed, for the episode metrics and the dumps."""
+        failed = {e.traj for e in self.episodes if e.failed}
+        if not failed:
+            return self
+        kept = [s for s in self.steps if s.traj not in failed]
+        return dataclasses.replace(self, steps=kept)
 
     def metrics(self) -> dict[str, float]:
         """Episode statistics, namespaced for logging."""

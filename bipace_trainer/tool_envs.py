@@ -20,11 +20,18 @@ answers without a tool call, and the whole chat is one sample with one advantage
   prompt, `environments` the env instances), on each rank's own rows (no cross-rank
   gather: evaluation shards differ in size); an episode with a positive reward counts as won;
 - a tool that raises, a tool call that names no tool or has arguments the tool does not
-  take, and a tool or `get_reward` that hangs past `env_step_timeout` end that episode as
-  failed (`env/failures`), like any env failure (`envs.vector`), and the run goes on. So
-  does a `reset` that raises, or, for our own classes (`envs.trl_env.TRLEnvironment`,
-  which cannot raise there under TRL), one that reports its `failure`: the episode ends
-  before the model's first turn, whether or not it would have called a tool.
+  take are, as in TRL, the model's mistakes: the error comes back as the tool's result
+  (`{'error': '...'}`, TRL's text) and the episode goes on; `tools/failure_frequency` counts
+  them (`tool_errors="fail"` ends the episode as an env failure instead). A tool or
+  `get_reward` that hangs past `env_step_timeout`, a `reset` that raises, and a tool raising
+  `envs.trl_env.EnvironmentFailure` (our envs' "the engine behind me is gone", with its kind:
+  `connection_lost`, `unreachable`...) end that episode as failed (`env/failures/<kind>`), like
+  any env failure (`envs.vector`), and the run goes on;
+- the state of a turn is what its tools returned; a tool that returned nothing (None, or
+  empty text) tells no state apart, so that turn's state is its episode's history of calls
+  and results instead (distinct histories never share a cell), with a warning once per run;
+- `get_reward()` must return a number: anything else (the string "1.0", None) stops the run
+  with an error naming the env's method and the type, as a wrong reward is not an env fault.
 
 Each rollout's env lives in a `ToolSession`, a `TextEnv` that a `VectorEnv` holds, so
 TRL's envs get the same failure contract, timeouts and counters as ours. Instances are
@@ -39,18 +46,51 @@ import asyncio
 import inspect
 import json
 import logging
+import numbers
 from typing import Any, Callable, Hashable, Sequence
 
 from envs.base import StepResult, TextEnv
-from envs.trl_env import EnvironmentFailure, TRLEnvironment
+from envs.trl_env import EnvironmentFailure
 
 from .rollout import Action, EnvAdapter, Rollout, TaskRef, _is_failure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ToolSession", "ToolEnvAdapter", "tool_methods", "SCORE"]
+__all__ = ["ToolSession", "ToolEnvAdapter", "tool_methods", "check_environment_factory", "SCORE"]
 
 SCORE = "__bipace_score__"  # the command that asks a session for its env's get_reward()
+_warned_stateless: set[str] = set()  # tools already warned about (once per process)
+
+
+def check_environment_factory(factory: Any, datasets: dict[str, Any]) -> None:
+    """What GRPOTrainer would find only mid-run, or with a puzzling message, refused before training.
+
+    `factory` must be callable (a class, not an instance); a dict factory's datasets must route every
+    row (`environment` column) to one of its keys: TRL's own message, for every bad value at once."""
+    if factory is None:
+        return
+    factories = factory if isinstance(factory, dict) else {None: factory}
+    for name, one in factories.items():
+        if not callable(one):
+            where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+            raise TypeError(
+                f"{where} is a {type(one).__name__} instance, which cannot build environments: pass the class, "
+                f"not an instance (environment_factory={type(one).__name__}), or a function returning a new instance."
+            )
+    if not isinstance(factory, dict):
+        return
+    for label, dataset in datasets.items():
+        if dataset is None:
+            continue
+        names = dataset["environment"] if "environment" in getattr(dataset, "column_names", []) else [None] * len(dataset)
+        unknown = sorted({name for name in names if name not in factory}, key=repr)
+        if unknown:
+            count = sum(name not in factory for name in names)
+            raise ValueError(
+                f"Example has `environment={unknown[0]!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(factory)}. {label}: {count} of {len(names)} rows "
+                f"name an unknown environment ({', '.join(map(repr, unknown))}); fix their 'environment' column."
+            )
 
 
 def tool_methods(env: Any) -> list[Callable]:
@@ -96,10 +136,11 @@ class ToolSession(TextEnv):
         return []  # TRL's envs take their tasks from the dataset's rows
 
     def __init__(self, factories: dict[Hashable, Callable[[], Any]] | None, tools: Sequence[Callable] = (),
-                 multi_environment: bool = False):
+                 multi_environment: bool = False, tool_errors: str = "observe"):
         self.factories = factories or {}
         self.standalone = list(tools)
         self.multi_environment = multi_environment
+        self.tool_errors = tool_errors  # "observe": an error is the tool's result (TRL); "fail": the episode fails
         self.instances: dict[Hashable, Any] = {}
         self.env: Any = None  # the current episode's instance
         self.task = ""
@@ -112,29 +153,40 @@ class ToolSession(TextEnv):
             self.env = self.instances[name]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
             observation = _text(self.env.reset(**kwargs))
-            failure = self.env.failure if isinstance(self.env, TRLEnvironment) else None
-            if failure:  # our TRL classes report a failed reset in the text they return, never by raising
-                raise EnvironmentFailure(f"reset failed: {failure}")
         else:
             observation = ""
         return StepResult(observation=observation, anchor=observation)
 
     def step(self, command: str) -> StepResult:
-        if command == SCORE:
+        if command == SCORE:  # the value travels as returned: the adapter checks its type in this process
             reward = getattr(self.env, "get_reward", None)
-            return StepResult(observation="", reward=float(_run(reward())) if reward else 0.0, done=True)
+            value = _run(reward()) if reward else 0.0
+            return StepResult(observation="", done=True, info={"get_reward": value, "env_class": type(self.env).__name__})
         tools = {tool.__name__: tool for tool in self.standalone + tool_methods(self.env)}
-        messages = []
+        messages, failures, stateless = [], 0, []
         for call in json.loads(command):
             name, arguments = call["name"], call["arguments"]
-            if name not in tools:
-                raise ValueError(f"the reply called tool {name!r}, which is not one of {sorted(tools)}")
-            if not isinstance(arguments, dict):
-                raise ValueError(f"the arguments of tool {name!r} are {type(arguments).__name__}, not an object")
-            result = _run(tools[name](**arguments))
+            try:
+                if name not in tools:
+                    raise ValueError(f"Tool {name} not found.")  # TRL's words
+                if not isinstance(arguments, dict):
+                    raise ValueError(f"the arguments of tool {name!r} are {type(arguments).__name__}, not an object")
+                result = _run(tools[name](**arguments))
+            except EnvironmentFailure:  # the engine behind the tool is gone: an env failure, whatever tool_errors says
+                raise
+            except Exception as err:
+                if self.tool_errors == "fail":
+                    raise
+                failures += 1
+                result = {"error": str(err)}  # TRL's tool error, shown to the model as the result
+            if result is None or not _text(result if isinstance(result, list) else str(result)).strip():
+                stateless.append(name)
             messages.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
         text = "\n".join(_text(m["content"]) for m in messages)
-        return StepResult(observation=text, anchor=text, info={"tool_messages": messages})
+        info = {"tool_messages": messages, "tool_calls": len(messages), "tool_failures": failures}
+        if stateless:
+            info["stateless_tools"] = stateless
+        return StepResult(observation=text, anchor=text, info=info)
 
     def close(self) -> None:
         for env in self.instances.values():
@@ -142,6 +194,26 @@ class ToolSession(TextEnv):
             if callable(close):
                 close()
         self.instances.clear()
+
+
+def _checked_reward(env_class: str, value: Any) -> float:
+    """`get_reward()`'s value as a float; anything but a number is the env's bug, not a fault to survive."""
+    if isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0:  # a number, or a 0-d tensor/array
+        return float(value)
+    raise TypeError(
+        f"{env_class}.get_reward() returned {type(value).__name__} {value!r}; it must return a number (int or float): "
+        "fix the env's get_reward."
+    )
+
+
+def _warn_stateless(names: list[str]) -> None:
+    new = sorted(set(names) - _warned_stateless)
+    if new:
+        _warned_stateless.update(new)
+        logger.warning(
+            f"Tool(s) {new} returned nothing (None or empty text), which tells no state apart: those turns' state is "
+            "their episode's history of calls and results instead. Return the state as text for exact step credit."
+        )
 
 
 def _tool_calls(parsed: dict[str, Any]) -> list[dict[str, Any]]:
@@ -177,6 +249,9 @@ class ToolEnvAdapter(EnvAdapter):
         multi = self.trainer._multi_environment if self.trainer.environment_factories is not None else False
         self.names = [row.get("environment") if multi else None for row in self.rows]
         self.tool_rounds = [0] * len(tasks)
+        self.tool_calls = [0] * len(tasks)  # TRL's tools/call_frequency and tools/failure_frequency, per episode
+        self.tool_failures = [0] * len(tasks)
+        self.history: list[list[Any]] = [[] for _ in tasks]  # (calls, results) per turn: the state of a stateless tool
         self.chats: list[list[dict[str, Any]]] = []
         self.prompts: list[list[dict[str, Any]]] = []
         results = envs.reset(self.rows) if tasks else []
@@ -228,8 +303,20 @@ class ToolEnvAdapter(EnvAdapter):
         for i, result in local.items():
             results[i] = result
         for i, command in enumerate(commands):
-            if command is not None and not _is_failure(results[i]):
-                self.chats[i].extend(results[i].info.get("tool_messages", []))
+            if command is None:
+                continue
+            self.tool_calls[i] += len(json.loads(command))
+            if _is_failure(results[i]):
+                continue
+            info = results[i].info
+            self.tool_failures[i] += info.get("tool_failures", 0)
+            self.chats[i].extend(info.get("tool_messages", []))
+            self.history[i].append([json.loads(command), results[i].observation])
+            if info.get("stateless_tools"):
+                # The tools' results tell no state apart ("None" after every call): the history does, and
+                # two different histories never share a cell (at worst one state is split in two).
+                results[i].anchor = "history: " + json.dumps(self.history[i], sort_keys=True, default=str)
+                _warn_stateless(info["stateless_tools"])
         return results
 
     def finish(self, envs, rollout: Rollout) -> None:
@@ -239,6 +326,8 @@ class ToolEnvAdapter(EnvAdapter):
         last = {}
         for index, step in enumerate(rollout.steps):
             last[step.traj] = index
+        for i, episode in enumerate(episodes):
+            episode.tool_calls, episode.tool_failures = self.tool_calls[i], self.tool_failures[i]
         scored = [not e.failed and e.traj in last for e in episodes]
         rewards = [0.0] * len(episodes)
         if len(self.trainer.reward_funcs) > self.num_user_reward_funcs:  # TRL found a get_reward
@@ -250,7 +339,10 @@ class ToolEnvAdapter(EnvAdapter):
                     episodes[i].failed, scored[i] = True, False
                     episodes[i].failure = (result.info or {}).get("env_failure", "get_reward failed")
                 else:
-                    rewards[i] += result.reward
+                    name = result.info.get("env_class", "get_reward")  # TRL's name for the column: the env's class
+                    value = _checked_reward(name, result.info.get("get_reward"))
+                    rewards[i] += value
+                    episodes[i].reward_terms[name] = value
         if self.num_user_reward_funcs:
             funcs = self._user_rewards(envs, rollout, scored)
             rewards = [r + f for r, f in zip(rewards, funcs)]
@@ -302,8 +394,10 @@ class ToolEnvAdapter(EnvAdapter):
         self._take_reward_logs(rollout)
         weights = trainer.reward_weights[:k].to(per_func.device)
         total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
-        for i, value in zip(keep, total):
+        for row, (i, value) in enumerate(zip(keep, total)):
             totals[i] = float(value)
+            for name, term in zip(trainer.reward_func_names[:k], per_func[row].tolist()):
+                rollout.episodes[i].reward_terms[name] = term  # unweighted, as TRL logs rewards/<name>/mean
         return totals
 
     def _take_reward_logs(self, rollout: Rollout) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import ProgressCallback
 from trl import GRPOTrainer
@@ -52,12 +53,14 @@ from .checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable fr
 from .collector import SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, task_dataset  # noqa: F401
 from .config import BiPACEConfig
 from .evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
-from .hidden import resolve_layer_module
+from .hidden import clamp_layer
 from .micro_batches import piece_weights, split_rows
 from .model_card import model_card
+from .trl_metrics import loss_metric_names, summarise_episodes, trl_metrics
 from .models import load_tokenizer, resolve_model_name
 from .prompting import fit_prompt_ids
 from .rollout import Rollout, TaskRef
+from .tool_envs import check_environment_factory
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
 
@@ -72,6 +75,8 @@ class ScoredRollout(NamedTuple):
     estimate: StepEstimate
     estimator_seconds: float
     signal: bool  # some sample on some rank has a non-zero advantage
+    masked_episodes: int = 0  # env-failed episodes whose steps were left out (`penalize_env_failures=False`)
+    masked_steps: int = 0
 
 
 class BiPACETrainer(GRPOTrainer):
@@ -109,22 +114,43 @@ class BiPACETrainer(GRPOTrainer):
     def __init__(
         self,
         model,
-        args: BiPACEConfig,
-        train_dataset: Dataset | None = None,
-        processing_class=None,
-        peft_config=None,
-        callbacks=None,
-        *,
         reward_funcs: Callable | list | None = None,
+        args: BiPACEConfig | None = None,
+        train_dataset: Dataset | None = None,
         eval_dataset: Dataset | None = None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
         tools: list[Callable] | None = None,
+        rollout_func: Callable | None = None,
         environment_factory: Callable | dict[str, Callable] | None = None,
     ):
+        # GRPOTrainer's signature, keyword for keyword and in its order, with its defaults.
+        if rollout_func is not None:
+            raise ValueError(
+                "rollout_func replaces TRL's generation with one sample per prompt; BiPACETrainer plays the multi-turn "
+                "rollout itself (one sample per env step): pass environment_factory/tools, or env_name, instead."
+            )
+        if args is None:  # as GRPOTrainer: a default config named after the model
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+            args = BiPACEConfig(f"{str(name).rstrip('/').split('/')[-1]}-BiPACE")
         if not isinstance(args, BiPACEConfig):
-            raise TypeError(f"args must be a BiPACEConfig, got {type(args).__name__}.")
+            raise TypeError(
+                f"args must be a BiPACEConfig, got {type(args).__name__}: BiPACEConfig takes every GRPOConfig "
+                "argument, so build it with the same arguments."
+            )
         trl_envs = environment_factory is not None or bool(tools)
         if not trl_envs:
             args.require_env()
+            if reward_funcs is not None:
+                raise ValueError(
+                    f"reward_funcs apply to TRL's environments (environment_factory or tools); env_name={args.env_name!r} "
+                    "gives its own rewards. Drop reward_funcs, or add the reward inside the env."
+                )
+        check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         if model is None or isinstance(model, str):
             model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
@@ -141,15 +167,18 @@ class BiPACETrainer(GRPOTrainer):
             args=args,
             train_dataset=train_dataset,
             processing_class=processing_class,
-            peft_config=peft_config,
+            reward_processing_classes=reward_processing_classes,
             callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
             tools=tools,
             environment_factory=environment_factory,
         )
         self.estimator = StepAdvantageEstimator(args.estimator)
         needs_hidden = "hidden" in args.estimator.rollout_needs
         if needs_hidden:
-            resolve_layer_module(self.accelerator.unwrap_model(self.model), args.cluster_layer)  # fails early on a bad layer
+            args.cluster_layer = clamp_layer(self.accelerator.unwrap_model(self.model), args.cluster_layer)
         if trl_envs:
             eval_rows = list(eval_dataset) if eval_dataset is not None else []
             source = ToolEnvSource(self, num_user_reward_funcs=len(user_rewards), eval_rows=eval_rows)
@@ -249,6 +278,9 @@ class BiPACETrainer(GRPOTrainer):
         self._skip_update = not signal and self.skip_update_without_signal
 
         metrics = {**rollout.metrics(), **diagnostics, **self.collector.env_metrics("train"), **scored.batch_metrics}
+        metrics.update(self._trl_metrics(rollout))
+        metrics["train/masked_failed_episodes"] = float(scored.masked_episodes)
+        metrics["train/masked_failed_steps"] = float(scored.masked_steps)
         metrics["train/skipped_batches"] = float(not signal)
         if self.args.resample_without_signal:
             metrics["train/resamples"] = float(resamples)
@@ -265,7 +297,12 @@ class BiPACETrainer(GRPOTrainer):
         """Play `tasks`, build TRL's batch with the estimator's advantages in place, and say
         whether any rank has a non-zero advantage."""
         rank = self.accelerator.process_index
-        rollout = self.collector.collect("train", tasks, traj_offset=rank * len(tasks))
+        played = self.collector.collect("train", tasks, traj_offset=rank * len(tasks))
+        # An env fault is not the policy's failure: unless told to penalise them, failed episodes'
+        # steps leave the batch (no loss, no place in their group's statistics).
+        rollout = played if self.args.penalize_env_failures else played.without_failed_episodes()
+        masked_steps = len(played.steps) - len(rollout.steps)
+        masked_episodes = sum(e.failed and e.length > 0 for e in played.episodes) if masked_steps else 0
         # The batch first: under vLLM its old-logprob pass also captures the hidden states.
         capture_hidden = self.use_vllm and self.needs_hidden and self.args.hidden_capture == "hook"
         batch, batch_metrics = training_batch(self, rollout, self._sync, capture_hidden)
@@ -280,7 +317,7 @@ class BiPACETrainer(GRPOTrainer):
         padded_rows = batch["advantages"].numel() - advantages.numel()
         batch["advantages"] = torch.cat([advantages, torch.zeros(padded_rows)]).to(batch["advantages"].device)
         signal = self._sync.any(bool((advantages != 0).any()))
-        return ScoredRollout(rollout, batch, batch_metrics, estimate, estimator_seconds, signal)
+        return ScoredRollout(rollout, batch, batch_metrics, estimate, estimator_seconds, signal, masked_episodes, masked_steps)
 
     def _redraw_tasks(self, tasks: list[TaskRef], attempt: int) -> list[TaskRef]:
         """`tasks` with each group's task replaced by a row drawn from the training set, seeded
@@ -300,6 +337,8 @@ class BiPACETrainer(GRPOTrainer):
             # No forward, no backward: gradients stay None, so the optimizer leaves every
             # parameter (and its moments) untouched. DeepSpeed counts micro-steps inside
             # its backward, so under DeepSpeed the zero-advantage loss runs as usual.
+            for name in loss_metric_names(self.loss_type, self.beta):  # TRL's loss metrics: logged, unknown (None)
+                self._metrics["train"][name].append(float("nan"))
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
         pieces = split_rows(inputs, self.args.per_device_train_batch_size)
         if len(pieces) == 1:
@@ -335,6 +374,22 @@ class BiPACETrainer(GRPOTrainer):
         )
 
     # ------------------------------------------------------------------ metrics
+
+    def _trl_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token count."""
+        names = self.reward_func_names if self.collector.source.uses_reward_funcs else ["env_reward"]
+        summaries = summarise_episodes(
+            rollout, [*self.eos_token_ids, self._tokenizer.pad_token_id], rank=self.accelerator.process_index,
+            single_source=None if self.collector.source.uses_reward_funcs else names[0],
+            failed_scored=self.args.penalize_env_failures,
+        )
+        tokens = torch.tensor([sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)],
+                              device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            summaries = gather_object(summaries)
+        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum())
+        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]  # TRL's: the running total
+        return trl_metrics(summaries, names, tools=bool(self.tools))
 
     def _record_metrics(self, mode: str, metrics: dict[str, float]) -> None:
         """Each metric combined over ranks (`CrossRankSync.combine`), appended to TRL's metric buffers."""

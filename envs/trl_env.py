@@ -34,9 +34,9 @@ How one of our `TextEnv` steps maps onto it:
 - An env that fails (raises, hangs past `step_timeout`, returns garbage) is handled by
   `envs.vector.VectorEnv`'s failure contract: the episode ends, `failure` holds the reason,
   and the failed `act` raises `EnvironmentFailure` so the trainer sees a failed tool call.
-  `reset` never raises for a failing env (TRL calls it outside any guard, and a failing env
-  must not end a training run); it returns the failure text, the episode is over, and the
-  next `act` raises `EnvironmentFailure`.
+  A failing `reset` raises `EnvironmentFailure` too, as a local env that cannot start would:
+  under GRPOTrainer the run stops there instead of training on episodes that never played
+  (TRL calls reset outside any guard); `BiPACETrainer` ends only that episode, as failed.
 - `get_reward()` is the episode return: the sum of the env's step rewards (SPEC section 2's
   `R^ep`; 1.0 for a won TextCraft or ALFWorld task, WebShop's score).
 
@@ -74,9 +74,17 @@ class EnvironmentFailure(RuntimeError):
     """The environment behind a tool failed (crashed, hung past its timeout, answered garbage,
     could not be reached); the episode it was playing is over.
 
-    Raised by the tools of `as_trl_environment` and `envs.openenv_env` classes; TRL feeds the
-    message back to the model as the tool's error, a trainer may count it as an env failure.
+    Raised by `reset` and the tools of `as_trl_environment` and `envs.openenv_env` classes; TRL
+    feeds a tool's message back to the model as the tool's error, and a raising `reset` stops
+    GRPOTrainer as any local env's would; `BiPACETrainer` ends that episode as an env failure of
+    this `kind` ("connection_lost", "unreachable", "timeout"...: the "<kind>: <reason>" prefix of
+    the failure text, "exception" when it has none), counted in `env/failures/<kind>`.
     """
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        prefix = re.match(r"\(?([a-z_]+):", message)
+        self.kind = kind or (prefix.group(1) if prefix else "exception")
 
 
 def describe_step(
@@ -143,6 +151,8 @@ class TRLEnvironment:
         result = self._start(self.task_id)
         self.task = str(result.info.get("task", ""))
         text = self._take(result)
+        if self.failure:
+            raise EnvironmentFailure(f"reset failed: {self.failure}", kind=self.failure.split(":", 1)[0].strip() or None)
         instruction = str(result.info.get("instruction", self.instruction))
         header = [instruction] if instruction else []
         if self.task and self.task not in result.observation:  # ALFWorld's first observation holds its task
@@ -160,11 +170,9 @@ class TRLEnvironment:
             The environment's observation after the command, then the admissible actions or,
             once the episode is over, a line saying so.
         """
-        if self.done and self.failure:
-            # Raised again: a reset that failed could not raise (TRL calls reset unguarded), so this
-            # is where a trainer that counts raising tools as env failures sees it (GRPOTrainer;
-            # BiPACETrainer reads `failure` right after reset, so it counts one the model never acts on).
-            raise EnvironmentFailure(f"The environment failed ({self.failure}); this episode is over.")
+        if self.done and self.failure:  # a call after the env failed: still failed, of the same kind
+            raise EnvironmentFailure(f"The environment failed ({self.failure}); this episode is over.",
+                                     kind=self.failure.split(":", 1)[0].strip() or None)
         if self.done:
             # Said, not raised: an extra call after a finished episode is the model's mistake, not an
             # env failure (a trainer that counts raising tools as failed episodes would undo a win).
@@ -173,7 +181,7 @@ class TRLEnvironment:
         self.steps += 1
         text = self._take(result)
         if self.failure:
-            raise EnvironmentFailure(result.observation)
+            raise EnvironmentFailure(result.observation, kind=self.failure.split(":", 1)[0].strip() or None)
         return text
 
     def get_reward(self) -> float:

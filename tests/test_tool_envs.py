@@ -89,11 +89,13 @@ def rows(count, environment=None):
     return out
 
 
-def play(tokenizer, factories, scripts, max_turns=5, environment=None, data=None, **trainer_kwargs):
+def play(tokenizer, factories, scripts, max_turns=5, environment=None, data=None, tool_errors="observe", **trainer_kwargs):
     trainer = fake_trainer(tokenizer, factories, **trainer_kwargs)
     data = data or rows(len(scripts), environment)
     tasks = [TaskRef(0, group=0, inputs=row) for row in data]
-    session = __import__("functools").partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
+    session = __import__("functools").partial(
+        ToolSession, trainer.environment_factories, [], trainer._multi_environment, tool_errors
+    )
     with VectorEnv(session, len(tasks)) as envs:
         rollout = run_rollouts(envs, tasks, scripted(tokenizer, trainer, scripts), RolloutSettings(max_turns=max_turns),
                                adapter=ToolEnvAdapter(trainer, num_user_reward_funcs=0))
@@ -129,9 +131,25 @@ def test_each_turn_is_one_step_tool_results_are_the_next_state_and_get_reward_sc
     assert metrics["env/failures"] == 0.0 and metrics["env/steps"] == 4 + 2 + 4  # 6 tool turns, 4 get_reward calls
 
 
-def test_a_tool_that_raises_ends_only_its_episode_as_a_counted_failure(tokenizer):
-    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_a"), "Done."], [call("nope")]]
+def test_a_raising_or_unknown_tool_returns_trls_error_text_and_the_episode_goes_on(tokenizer):
+    # TRL's _tool_call_loop: the exception's text is the tool's result ({'error': ...}), counted as a tool failure
+    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_a"), "Done."], [call("nope"), "Done."]]
     rollout, metrics = play(tokenizer, BrokenLamps, scripts)
+    first, second, third = rollout.episodes
+    by_traj = {}
+    for step in rollout.steps:
+        by_traj.setdefault(step.traj, []).append(step)
+    assert not any(e.failed for e in rollout.episodes) and [e.length for e in rollout.episodes] == [3, 2, 2]
+    assert by_traj[first.traj][2].observation == "{'error': \"lamp B's server refused the connection\"}"
+    assert by_traj[third.traj][1].observation == "{'error': 'Tool nope not found.'}"  # TRL's words
+    assert first.reward == 0.5 and third.reward == 0.0  # scored by get_reward as played: A on, B still off
+    assert [(e.tool_calls, e.tool_failures) for e in rollout.episodes] == [(2, 1), (1, 0), (1, 1)]
+    assert metrics["env/failures"] == 0.0
+
+
+def test_tool_errors_fail_ends_the_episode_as_a_counted_env_failure(tokenizer):
+    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_a"), "Done."], [call("nope")]]
+    rollout, metrics = play(tokenizer, BrokenLamps, scripts, tool_errors="fail")
     first, second, third = rollout.episodes
     assert first.failed and "ConnectionError" in first.failure and first.length == 2 and first.reward == 0
     assert not second.failed and second.length == 2  # the other episodes play on
@@ -153,8 +171,8 @@ def test_a_dict_of_factories_routes_each_row_by_its_environment_column(tokenizer
     scripts = [[call("flip_b"), "Done."], [call("flip_b"), "Done."]]
     rollout, metrics = play(tokenizer, {"good": Lamps, "broken": BrokenLamps}, scripts, environment=["good", "broken"])
     good, broken = rollout.episodes
-    assert not good.failed and broken.failed
-    assert metrics["env/failures"] == 1.0
+    assert (good.reward, broken.reward) == (0.5, 0.0) and (good.tool_failures, broken.tool_failures) == (0, 1)
+    assert good.reward_terms == {"Lamps": 0.5} and broken.reward_terms == {"BrokenLamps": 0.0}  # TRL's column names
 
 
 def test_an_unset_env_name_is_checked_only_when_a_trainer_plays_it(monkeypatch, tmp_path):
@@ -169,9 +187,8 @@ def test_an_unset_env_name_is_checked_only_when_a_trainer_plays_it(monkeypatch, 
 
 
 def test_a_failed_reset_of_our_trl_class_ends_its_episode_as_a_counted_failure_without_any_tool_call(tokenizer):
-    # Our TRL classes cannot raise in reset (TRL calls it unguarded): they return the failure
-    # text and raise only at the next tool call. A model that answers at once must not turn
-    # the failed episode into a played one that scores 0.
+    # Our TRL classes raise EnvironmentFailure in a reset that fails (as a local env would): the
+    # episode is over before the model's first turn, and no answer turns it into a played one.
     faulty = as_trl_environment("tests.reliability.faulty_envs:FaultyTinyEnv", step_timeout=None)
     data = [{**row, "task_id": task_id} for row, task_id in zip(rows(2), [1, 0])]  # task 1's engine crashes in reset
     rollout, metrics = play(tokenizer, faulty, [["Done."], ["Done."]], data=data)

@@ -100,11 +100,12 @@ def test_a_faulty_answer_ends_only_its_episode_within_the_timeout(server, task_i
 
 def test_a_refused_connection_fails_the_episode_at_reset():
     tool = openenv_trl_environment(refused_url(), connect_timeout_s=CLIENT_TIMEOUT)()
-    text = bounded(lambda: tool.reset(task_id=HEALTHY))
-    assert isinstance(text, str) and "The environment failed" in text
+    error = bounded(lambda: tool.reset(task_id=HEALTHY))  # raised at reset, as a local env that cannot start
+    assert isinstance(error, EnvironmentFailure) and error.kind == "unreachable"
     assert tool.failure.startswith("unreachable") and tool.done
-    with pytest.raises(EnvironmentFailure, match="unreachable"):
+    with pytest.raises(EnvironmentFailure, match="unreachable") as raised:
         tool.act("right")
+    assert raised.value.kind == "unreachable"
 
 
 def test_a_server_killed_mid_episode_fails_its_open_episodes_and_later_resets():
@@ -120,8 +121,8 @@ def test_a_server_killed_mid_episode_fails_its_open_episodes_and_later_resets():
         error = bounded(lambda: playing.act("left"))
         assert isinstance(error, EnvironmentFailure) and playing.failure.startswith("connection_lost")
         assert finished.won and finished.get_reward() == 1.0  # an episode that ended before keeps its result
-        text = bounded(lambda: finished.reset(task_id=HEALTHY))
-        assert "The environment failed" in text and finished.failure.startswith("unreachable")
+        error = bounded(lambda: finished.reset(task_id=HEALTHY))
+        assert isinstance(error, EnvironmentFailure) and finished.failure.startswith("unreachable")
 
 
 def test_a_server_that_kills_itself_mid_episode_is_a_lost_connection():
@@ -252,5 +253,25 @@ def test_bipace_trainer_plays_a_reachable_server_beside_an_unreachable_one(serve
     failed_down = [e for e in by_side["down"] if e.failed]
     assert len(failed_down) == 8 and all(e.length == 0 for e in failed_down)
     assert all(f"unreachable: reset at {down}" in e.failure for e in failed_down)
+    # the failure keeps its kind in the metrics (it was "exception" before)
+    assert max(entry.get("env/failures/unreachable", 0) for entry in trainer.state.log_history) >= 8
+    assert not any("env/failures/exception" in entry for entry in trainer.state.log_history)
     logged = max(entry.get("env/failures", 0) for entry in trainer.state.log_history)
     assert logged >= len(failed_down)
+
+
+def test_grpo_trainer_stops_at_the_first_reset_when_nothing_listens(tool_policy, tmp_path):
+    """Under GRPOTrainer a dead server must not train silently on episodes that never played: reset
+    raises, as a local env that cannot start would, and TRL stops the run there."""
+    from trl import GRPOTrainer
+
+    from envs import trl_task_dataset
+    from tests.trl.test_grpo_trainer import grpo_args
+
+    model, tokenizer = tool_policy
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=grpo_args(tmp_path),
+                          train_dataset=trl_task_dataset("tiny", **TINY),
+                          environment_factory=openenv_trl_environment(refused_url(), connect_timeout_s=CLIENT_TIMEOUT))
+    with pytest.raises(EnvironmentFailure, match="unreachable") as raised:
+        trainer.train()
+    assert raised.value.kind == "unreachable" and trainer.state.global_step == 0

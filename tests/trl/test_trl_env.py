@@ -148,7 +148,9 @@ def test_the_subset_is_spread_over_the_report_strata():
 def test_an_engine_that_raises_ends_its_episode_with_a_clear_failure():
     Faulty = as_trl_environment(FAULTY, step_timeout=None)
     tool = Faulty()
-    assert "failed" in tool.reset(task_id=1)  # the engine raises in reset: no exception reaches TRL
+    with pytest.raises(EnvironmentFailure, match="engine crashed during reset") as raised:  # as a local env would
+        tool.reset(task_id=1)
+    assert raised.value.kind == "exception"
     assert tool.done and "engine crashed during reset" in tool.failure and tool.get_reward() == 0.0
     with pytest.raises(EnvironmentFailure, match="engine crashed during reset"):  # the next call says it
         tool.act("right")
