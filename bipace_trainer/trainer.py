@@ -377,10 +377,11 @@ class BiPACETrainer(GRPOTrainer):
 
     def _trl_metrics(self, rollout: Rollout) -> dict[str, float]:
         """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token count."""
-        names = self.reward_func_names if self.collector.source.uses_reward_funcs else ["env_reward"]
+        trl_rewards = getattr(self.collector.source, "uses_reward_funcs", False)  # else the env's own, TRL's `env_reward`
+        names = self.reward_func_names if trl_rewards else ["env_reward"]
         summaries = summarise_episodes(
             rollout, [*self.eos_token_ids, self._tokenizer.pad_token_id], rank=self.accelerator.process_index,
-            single_source=None if self.collector.source.uses_reward_funcs else names[0],
+            single_source=None if trl_rewards else names[0],
             failed_scored=self.args.penalize_env_failures,
         )
         tokens = torch.tensor([sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)],

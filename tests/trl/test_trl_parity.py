@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,15 @@ from tests.trainer.tool_setup import Lamps
 from tests.trl.thermostat import Thermostat, prompt_dataset
 
 SCRIPT = Path(__file__).with_name("grpo_script.py")
+README = Path(__file__).parents[2] / "README.md"
+
+
+def readme_row(label: str) -> tuple[list[str], list[str]]:
+    """The backticked names in the GRPOTrainer and BiPACETrainer cells of the README's "Coming from TRL" row `label`."""
+    section = README.read_text().split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith(f"| {label} "))
+    _, theirs, ours = [cell.strip() for cell in row.strip("|").split("|")]
+    return re.findall(r"`([^`]+)`", theirs), re.findall(r"`([^`]+)`", ours)
 COMMON = dict(output_dir="unused", report_to="none", use_cpu=True)
 
 
@@ -64,6 +74,15 @@ def test_the_constructor_takes_grpo_trainers_arguments_keyword_for_keyword_with_
     ours = list(inspect.signature(BiPACETrainer.__init__).parameters.values())
     theirs = list(inspect.signature(GRPOTrainer.__init__).parameters.values())
     assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
+
+
+def test_the_readmes_table_names_the_constructor_and_the_options_as_they_are():
+    theirs, ours = readme_row("constructor ✓")
+    assert theirs[0].split(", ") == list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
+    options = [name.split("=")[0] for label in ("a tool raises, an unknown tool", "an env fault", "schedule ✓")
+               for name in readme_row(label)[1] if "=" in name or name == "tasks_per_iteration"]
+    assert set(options) == {"tool_errors", "penalize_env_failures", "tasks_per_iteration"}
+    assert all(hasattr(BiPACEConfig(**COMMON), option) for option in options)
 
 
 def test_what_cannot_apply_says_so_before_any_model_loads():
@@ -248,6 +267,8 @@ def test_the_same_script_has_the_same_schedule_and_every_grpo_metric_under_bipac
     assert {"tools/call_frequency", "tools/failure_frequency", "rewards/Thermostat/mean", "rewards/brevity/mean",
             "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens"} <= grpo_logged
     assert {"episode/steps", "advantage/std", "train/masked_failed_episodes"} <= our_logged
+    listed = [name for name in readme_row("metrics ✓")[0] if "<" not in name and "*" not in name]
+    assert len(listed) >= 8 and set(listed) <= grpo_logged & our_logged  # the README's table stays true
     # and with their meaning: the tools were called, the env and the user's function both scored
     entries = [e for e in ours.state.log_history if "reward" in e]
     assert max(e["tools/call_frequency"] for e in entries) > 0
