@@ -1,4 +1,4 @@
-"""Lockstep multi-turn rollouts over many envs → flat step records (SPEC §1).
+"""Multi-turn rollouts over many envs, lockstep or continuous → flat step records (SPEC §1).
 
     rollout = run_rollouts(envs, tasks, generate, RolloutSettings(max_turns=15, ...))
     rollout.steps        # one StepRecord per env step = one training sample
@@ -22,6 +22,17 @@ parameters collectively inside each call). `sync` carries that: the loop runs wh
 *any* rank has an active env, and the number of generate calls per turn is the
 maximum over ranks; a rank with nothing left calls `generate([])`, which the trainer
 turns into a dummy generation.
+
+`settings.mode="continuous"` plays the same episodes without the turn barrier: see
+`run_rollouts`. It goes through the same adapters and gives the same `Rollout`. What it
+overlaps: one env step (the `adapter.step` of the previous call's episodes) with the next
+generate call. What it does not: two generate calls with each other (TRL's
+`_generate_single_turn` is synchronous; under vLLM the engine batches continuously
+inside a call, and a call still ends with its longest reply), nor the KV cache of a
+prompt across calls (HF `generate` prefills every prompt, copies included;
+`PromptCounter` counts what could be reused). Env steps then run on a worker thread: an
+engine that must stay on the main thread (the "serial" backend with `step_timeout=None`)
+needs lockstep.
 """
 
 from __future__ import annotations
