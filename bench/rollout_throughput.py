@@ -71,7 +71,7 @@ from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer
-from bipace_trainer.rollout import RolloutSettings, TaskRef, run_rollouts
+from bipace_trainer.rollout import RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from envs.base import resolve_env_class
 from envs.vector import VectorEnv
 
@@ -96,6 +96,8 @@ def parse_args(argv=None):
     parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
     parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
     parser.add_argument("--simulate", action="store_true", help="only the simulated engine (no model): scaling to 512 episodes")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="with --simulate: also fit this machine's HF generate cost and env step times and simulate them")
     parser.add_argument("--out", default=None, help="JSON path (default docs/results/rollout_throughput[_modes|_sim].json)")
     args = parser.parse_args(argv)
     if args.out is None:
@@ -366,19 +368,84 @@ def report_modes(rows) -> None:
               f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}")
 
 
+@contextlib.contextmanager
+def reply_length(trainer, tokens: int):
+    """HF generate replies of exactly `tokens` tokens (min = max new tokens), for the latency fit."""
+    keys = {"max_new_tokens": tokens, "min_new_tokens": tokens}
+    saved = {key: getattr(trainer.generation_config, key) for key in keys}
+    saved_kwargs = {key: trainer.generation_kwargs.get(key) for key in keys}
+    trainer.generation_config.update(**keys)
+    trainer.generation_kwargs.update(keys)
+    try:
+        yield
+    finally:
+        trainer.generation_config.update(**saved)
+        trainer.generation_kwargs.update(saved_kwargs)
+
+
+def fit_latency(trainer, env: str, batches=(1, 4, 16), lengths=(8, 32), repeats: int = 3) -> dict:
+    """This machine's HF generate cost, fitted by least squares to
+    per_call + per_prompt_token x prompt tokens + per_step x steps + per_token x batch x steps
+    from calls on `env`'s first-turn prompts at each (batch, reply length), median of `repeats`."""
+    import numpy as np
+
+    tasks = task_refs(env, max(batches))
+    with VectorEnv(env, len(tasks), backend="serial") as envs:
+        adapter = TextEnvAdapter(trainer.collector.settings)
+        adapter.start(envs, tasks)
+        messages = [adapter.messages(i, 0) for i in range(len(tasks))]
+    points = []
+    for length in lengths:
+        with reply_length(trainer, length):
+            for batch in batches:
+                trainer.collector.generate_turn(messages[:batch])  # warm-up at this shape
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    out = trainer.collector.generate_turn(messages[:batch])
+                    times.append(time.perf_counter() - start)
+                prompt_tokens = sum(len(ids) for ids in out.prompt_ids)
+                points.append({"batch": batch, "reply_tokens": length, "prompt_tokens": prompt_tokens,
+                               "seconds": statistics.median(times)})
+    design = np.array([[1.0, p["prompt_tokens"], p["reply_tokens"], p["batch"] * p["reply_tokens"]] for p in points])
+    coef, *_ = np.linalg.lstsq(design, np.array([p["seconds"] for p in points]), rcond=None)
+    coef = np.maximum(coef, 0.0)  # a cost is not negative; noise can make a small one so
+    return {"per_call": float(coef[0]), "per_prompt_token": float(coef[1]), "per_step": float(coef[2]),
+            "per_token": float(coef[3]), "engine": "hf", "points": points}
+
+
+def measure_env_steps(env: str, count: int = 4, turns: int = 4) -> tuple[float, float]:
+    """Mean seconds of one env reset and of one env step of `env` (its invalid action, the
+    tiny model's usual reply; serial backend), the first build of each env included in the reset."""
+    env_class = resolve_env_class(env)
+    with VectorEnv(env, count, backend="serial") as envs:
+        start = time.perf_counter()
+        envs.reset([t.task_id for t in task_refs(env, count)])
+        reset = (time.perf_counter() - start) / count
+        start = time.perf_counter()
+        for _ in range(turns):
+            envs.step([env_class.invalid_action] * count)
+        return reset, (time.perf_counter() - start) / (count * turns)
+
+
 SIM_ENGINES = ("gpu_hf", "gpu_vllm", "cpu_hf")
 SIM_ENVS = {"fast_env_20ms": 0.02, "slow_env_500ms": 0.5}
 SIM_VARIANTS = (("lockstep", 0), ("lockstep", 8), ("continuous", 2), ("continuous", 4), ("continuous", 8))  # N / divisor
 
 
-def simulate(episode_counts=(8, 32, 128, 512), max_turns: int = 12, seed: int = 0) -> list[dict]:
-    """Every variant on the simulated engine and envs; figures are virtual seconds."""
+def simulate(episode_counts=(8, 32, 128, 512), max_turns: int = 12, seed: int = 0, measured: dict | None = None) -> list[dict]:
+    """Every variant on the simulated engine and envs; figures are virtual seconds. `measured`
+    adds an engine "cpu_measured" (`fit_latency`'s model) with this machine's env step times."""
     from bench.rollout_sim import EnvModel, LatencyModel, SimClock, SimEngine, SimEnvRunner, SimEnvs
 
+    setups = [(engine, getattr(LatencyModel, engine)(), SIM_ENVS) for engine in SIM_ENGINES]
+    if measured:
+        fields = {k: measured["latency"][k] for k in ("per_call", "per_prompt_token", "per_step", "per_token", "engine")}
+        env_steps = {f"{env}_measured_{seconds * 1000:.2f}ms": seconds for env, seconds in measured["env_step_s"].items()}
+        setups.append(("cpu_measured", LatencyModel(**fields), env_steps))
     rows = []
-    for engine in SIM_ENGINES:
-        latency = getattr(LatencyModel, engine)()
-        for env_name, step_median in SIM_ENVS.items():
+    for engine, latency, env_models in setups:
+        for env_name, step_median in env_models.items():
             for count in episode_counts:
                 row = {"engine": engine, "env": env_name, "episodes": count, "latency": dataclasses.asdict(latency)}
                 for mode, divisor in SIM_VARIANTS:
@@ -407,10 +474,10 @@ def simulate(episode_counts=(8, 32, 128, 512), max_turns: int = 12, seed: int = 
 def report_simulation(rows) -> None:
     print("\nsimulated engine (virtual seconds): speed-up over lockstep with one call per turn; idle = engine idle share")
     names = [k for k in rows[0]["speedup_vs_lockstep_all"]]
-    print(f"{'engine':>9}{'env':>16}{'eps':>5}" + "".join(f"{n:>24}" for n in names))
+    print(f"{'engine':>13}{'env':>30}{'eps':>5}" + "".join(f"{n:>24}" for n in names))
     for row in rows:
         cells = "".join(f"{row['speedup_vs_lockstep_all'][n]:>10.2f}x idle {row[n]['engine_idle_share']:>6.1%}" for n in names)
-        print(f"{row['engine']:>9}{row['env']:>16}{row['episodes']:>5}{cells}")
+        print(f"{row['engine']:>13}{row['env']:>30}{row['episodes']:>5}{cells}")
 
 
 def report(result) -> None:
@@ -467,9 +534,24 @@ def plot(result, path: Path, title: str) -> None:
 def main(argv=None):
     args = parse_args(argv)
     if args.simulate:
-        rows = simulate((8, 32) if args.quick else (8, 32, 128, 512))
+        measured = None
+        if args.calibrate:
+            torch.manual_seed(0)
+            model, tokenizer = load_policy(args)
+            with tempfile.TemporaryDirectory() as output_dir:
+                trainer = make_trainer(model, tokenizer, args, output_dir)
+                measured = {"latency": fit_latency(trainer, args.env, lengths=(4, 16) if args.quick else (8, 32)),
+                            "env_reset_and_step_s": {env: measure_env_steps(env) for env in args.mode_envs}}
+                measured["env_step_s"] = {env: step for env, (_, step) in measured["env_reset_and_step_s"].items()}
+                trainer.close_envs()
+            latency = measured["latency"]
+            print("fitted HF generate cost on this machine: " + ", ".join(
+                f"{k} {latency[k] * 1000:.3f} ms" for k in ("per_call", "per_prompt_token", "per_step", "per_token")))
+            print("env reset / step: " + ", ".join(
+                f"{env} {r * 1000:.1f} / {s * 1000:.2f} ms" for env, (r, s) in measured["env_reset_and_step_s"].items()))
+        rows = simulate((8, 32) if args.quick else (8, 32, 128, 512), measured=measured)
         report_simulation(rows)
-        result = {"simulation": rows, "max_turns": 12, "clock": "virtual seconds (bench.rollout_sim)",
+        result = {"simulation": rows, "measured": measured, "max_turns": 12, "clock": "virtual seconds (bench.rollout_sim)",
                   "replies": "log-normal, median 300, clipped to 50..2000 tokens", "machine": common.machine()}
         common.write_json(args.out, result)
         print(f"wrote {args.out}")
