@@ -181,3 +181,23 @@ def test_rollout_mode_is_checked_and_grouped(tmp_path):
         BiPACEConfig(output_dir=str(tmp_path), env_name="tiny", rollout_mode="async", use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match="rollout_mode"):
         run_rollouts(None, [], None, RolloutSettings(mode="eager"))
+
+
+def test_continuous_is_refused_where_every_rank_must_run_each_forward_together():
+    from types import SimpleNamespace
+
+    from bipace_trainer.collector import RolloutCollector
+
+    def trainer(zero_stage, mode, fsdp=False):
+        args = SimpleNamespace(max_turns=2, history_length=1, rollout_batch_size=0, require_think=False,
+                               action_key_tokens=0, rollout_mode=mode)
+        plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
+        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
+        return SimpleNamespace(args=args, accelerator=accelerator, use_vllm=False, is_fsdp_enabled=fsdp)
+
+    source = SimpleNamespace(env_class=None)
+    for zero_stage, fsdp in ((3, False), (0, True)):
+        with pytest.raises(ValueError, match="rollout_mode='continuous' cannot run under ZeRO-3 or FSDP.*rollout_mode='lockstep'"):
+            RolloutCollector(trainer(zero_stage, "continuous", fsdp), source, needs_hidden=False)
+    assert RolloutCollector(trainer(3, "lockstep"), source, needs_hidden=False).settings.mode == "lockstep"
+    assert RolloutCollector(trainer(2, "continuous"), source, needs_hidden=False).settings.mode == "continuous"
