@@ -23,9 +23,12 @@ def run(out, *extra):
 
 @pytest.mark.slow
 def test_the_simulation_compares_the_modes_on_the_same_episodes(tmp_path):
-    result, printed = run(tmp_path / "sim.json", "--simulate")
+    result, printed = run(tmp_path / "sim.json", "--simulate", "--calibrate")
     rows = result["simulation"]
-    assert {row["engine"] for row in rows} == {"gpu_hf", "gpu_vllm", "cpu_hf"}
+    assert {row["engine"] for row in rows} == {"gpu_hf", "gpu_vllm", "cpu_hf", "cpu_measured"}
+    latency = result["measured"]["latency"]  # fitted on this machine's HF generate calls
+    assert len(latency["points"]) == 6 and all(latency[k] >= 0 for k in ("per_call", "per_step", "per_token"))
+    assert latency["per_step"] + latency["per_token"] > 0 and result["measured"]["env_step_s"]["tiny"] > 0
     for row in rows:
         variants = [v for v in row.values() if isinstance(v, dict) and "seconds" in v]
         assert len({v["steps"] for v in variants}) == 1  # every mode played the same episodes
