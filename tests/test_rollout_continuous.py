@@ -201,3 +201,34 @@ def test_continuous_is_refused_where_every_rank_must_run_each_forward_together()
             RolloutCollector(trainer(zero_stage, "continuous", fsdp), source, needs_hidden=False)
     assert RolloutCollector(trainer(3, "lockstep"), source, needs_hidden=False).settings.mode == "lockstep"
     assert RolloutCollector(trainer(2, "continuous"), source, needs_hidden=False).settings.mode == "continuous"
+
+
+def test_trls_tool_envs_play_the_same_chats_in_both_modes():
+    """`ToolEnvAdapter` (TRL's environment_factory) through the continuous loop: the same steps,
+    rewards (get_reward at the end, in `finish`) and episodes as lockstep."""
+    import functools
+
+    from trl.chat_template_utils import add_response_schema
+
+    from bipace_trainer.tool_envs import ToolEnvAdapter, ToolSession
+    from tests.test_tool_envs import call, fake_trainer, rows, scripted
+    from tests.trainer.tool_setup import Lamps, make_tokenizer
+
+    tokenizer = add_response_schema(make_tokenizer())
+    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_b"), "Done."], [call("flip_a", "flip_b"), "Done."],
+               [call("flip_a"), call("flip_a"), call("flip_b"), "Done."], ["Done."]]
+    played = {}
+    for mode in ("lockstep", "continuous"):
+        trainer = fake_trainer(tokenizer, Lamps)
+        tasks = [TaskRef(0, group=0, inputs=row) for row in rows(len(scripts))]
+        session = functools.partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
+        with VectorEnv(session, len(tasks), backend="thread", num_workers=2) as envs:
+            played[mode] = run_rollouts(envs, tasks, scripted(tokenizer, trainer, scripts),
+                                        RolloutSettings(max_turns=5, rollout_batch_size=2, mode=mode),
+                                        adapter=ToolEnvAdapter(trainer, num_user_reward_funcs=0))
+    fields = lambda s: (s.traj, s.t, s.prompt_ids, s.completion_ids, s.action, s.anchor, s.reward, s.action_key)
+    assert [fields(s) for s in played["lockstep"].steps] == [fields(s) for s in played["continuous"].steps]
+    assert [vars(e) for e in played["lockstep"].episodes] == [vars(e) for e in played["continuous"].episodes]
+    assert [e.length for e in played["continuous"].episodes] == [3, 2, 2, 4, 1]
+    # get_reward (the share of lamps on) on each episode's last step, added by `finish` after the loop
+    assert [e.reward for e in played["continuous"].episodes] == [1.0, 0.5, 1.0, 0.5, 0.0]
