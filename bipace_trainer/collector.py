@@ -10,8 +10,8 @@ It owns what a rollout needs of the trainer: generation per turn through TRL's o
 `_generate_single_turn` (HF generate or vLLM) with the sampling temperature in force,
 the actor's hidden states when the estimator needs them (`hidden`), one `VectorEnv` per
 use ("train", "eval") kept across generations, the rollout loop (`rollout.run_rollouts`,
-lockstep or continuous per `rollout_mode`) with cross-rank reductions, the progress bar, the "every episode failed" guard, and the
-trajectory records (`trajectories`).
+lockstep or continuous per `rollout_mode`) with cross-rank reductions, the progress bar,
+the "every episode failed" guard, and the trajectory records (`trajectories`).
 
 A kind of environment is an *env source* (`TextEnvSource`: our registered `TextEnv`s;
 `ToolEnvSource`: TRL's `environment_factory` / `tools`) together with its `EnvAdapter`

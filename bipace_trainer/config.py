@@ -92,8 +92,7 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "rollout_mode",
-        "require_think",
-        "action_key_tokens", "resample_without_signal", "resample_max_seconds",
+        "require_think", "action_key_tokens", "resample_without_signal", "resample_max_seconds",
     ),
     "what a run records": ("rollout_dump_steps",),
 }
