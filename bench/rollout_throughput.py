@@ -1,4 +1,4 @@
-"""Rollout throughput: the multi-turn lockstep rollout against TRL's single-turn generation and one env at a time.
+"""Rollout throughput: lockstep against continuous rollouts, TRL's single-turn generation and one env at a time.
 
     OMP_NUM_THREADS=2 python -m bench.rollout_throughput          # CPU run, TextCraft (~3 minutes)
     OMP_NUM_THREADS=2 python -m bench.rollout_throughput --quick  # CI size, tiny env (~20 s)
@@ -8,6 +8,24 @@
     # installed, e.g. the venv of tests/vllm/make_venv.sh on a CPU)
     OMP_NUM_THREADS=1 python -m bench.rollout_throughput --vllm --model embedded --num-envs 8 32 --max-turns 2 \
         --max-completion-length 64
+
+    # lockstep against continuous only, on TextCraft and ALFWorld, 4 and 16 episodes (~4 minutes)
+    OMP_NUM_THREADS=1 python -m bench.rollout_throughput --modes-only --mode-envs textcraft alfworld
+    # the same scheduler on a simulated engine and envs (virtual clock), up to 512 episodes (~1 minute)
+    python -m bench.rollout_throughput --simulate
+
+Rollout modes (`rollout_mode`, run first, on `--mode-envs` at `--mode-episodes` N): the same
+tasks played by lockstep with one call per turn (rollout_batch_size 0), lockstep in calls of
+N/2, and continuous in calls of N/2 (see `rollout.run_rollouts`), alternating, `--repeats`
+times each; per variant episodes/s, completion tokens/s, engine idle share (the share of
+wall time no generate call ran), env-wait share (the share the loop waited on envs with
+nothing to generate) and the peak resident memory sampled during the runs; the ratio
+printed is the median over the alternating rounds of continuous / lockstep.
+
+`--simulate`: `bench.rollout_sim`'s engine and envs (a latency model on a virtual clock;
+replies of 50..2,000 tokens; envs with a step-time distribution) played by the same
+`run_rollouts` loops and `TextEnvAdapter`, at 8..512 episodes, for a GPU HF engine, a GPU
+vLLM-like engine and a CPU HF engine, with fast (20 ms) and slow (500 ms) env steps.
 
 One model, one tokenizer, the same first-turn prompts; three ways of generating, timed
 side by side in one run for each number B of parallel envs:
@@ -37,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -52,7 +71,7 @@ from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer
-from bipace_trainer.rollout import TaskRef, run_rollouts
+from bipace_trainer.rollout import RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from envs.base import resolve_env_class
 from envs.vector import VectorEnv
 
@@ -73,13 +92,23 @@ def parse_args(argv=None):
     parser.add_argument("--vllm", action="store_true", help="also time the lockstep rollout generating with vLLM")
     parser.add_argument("--vllm-dtypes", nargs="+", default=None,
                         help="engine dtypes to time with --vllm (default: float32 and bfloat16 on a CPU, auto on CUDA)")
-    parser.add_argument("--out", default=str(common.ROOT / "docs" / "results" / "rollout_throughput.json"))
+    parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
+    parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
+    parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
+    parser.add_argument("--simulate", action="store_true", help="only the simulated engine (no model): scaling to 512 episodes")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="with --simulate: also fit this machine's HF generate cost and env step times and simulate them")
+    parser.add_argument("--out", default=None, help="JSON path (default docs/results/rollout_throughput[_modes|_sim].json)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        suffix = "_sim" if args.simulate else "_modes" if args.modes_only else ""
+        args.out = str(common.ROOT / "docs" / "results" / f"rollout_throughput{suffix}.json")
     if args.vllm_dtypes is None:
         args.vllm_dtypes = ["float32", "bfloat16"] if args.device == "cpu" else ["auto"]
     if args.quick:
         args.env, args.num_envs, args.max_turns, args.sequential_episodes, args.repeats = "tiny", [1, 2, 4, 8], 2, 2, 1
         args.max_completion_length = 16
+        args.mode_envs, args.mode_episodes = ["tiny"], [4]
     return args
 
 
@@ -230,6 +259,227 @@ def measure(trainer, args) -> dict:
     return {"rows": rows, "one_at_a_time": sequential}
 
 
+class PeakRSS:
+    """The largest resident set size of this process while the block runs, sampled every 20 ms."""
+
+    def __init__(self):
+        self.peak = 0
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self):
+        import threading
+
+        self.stop = threading.Event()
+        self.peak = self.now()
+
+        def sample():
+            while not self.stop.wait(0.02):
+                self.peak = max(self.peak, self.now())
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+MODE_VARIANTS = (("lockstep", "all"), ("lockstep", "half"), ("continuous", "half"))
+
+
+def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
+    """One rollout of `tasks` in `mode`, calls of at most `batch_size` (0: all)."""
+    settings = dataclasses.replace(trainer.collector.settings, mode=mode, rollout_batch_size=batch_size)
+    envs = VectorEnv(env, len(tasks), backend="serial")
+    try:
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            rollout = run_rollouts(envs, tasks, trainer.collector.generate_turn, settings)
+            seconds = time.perf_counter() - start
+    finally:
+        envs.close()
+    metrics = rollout.metrics()
+    return {
+        "seconds": seconds,
+        "episodes": len(rollout.episodes),
+        "steps": len(rollout.steps),
+        "tokens": sum(len(step.completion_ids) for step in rollout.steps),
+        "generate_calls": rollout.generate_calls,
+        "generate_s": rollout.seconds["generate"],
+        "env_s": rollout.seconds["env"],
+        "engine_idle_share": metrics["rollout/engine_idle_share"],
+        "env_wait_share": metrics["rollout/env_wait_share"],
+        "prompt_tokens": metrics["rollout/prompt_tokens"],
+        "prompt_tokens_shared": metrics["rollout/prompt_tokens_shared"],
+        "prompt_tokens_prefix_of_previous": metrics["rollout/prompt_tokens_prefix_of_previous"],
+        "peak_rss_bytes": rss.peak,
+    }
+
+
+def compare_modes(trainer, args) -> list[dict]:
+    """Lockstep and continuous on the same tasks, alternating, for each env and episode count."""
+    rows = []
+    for env in args.mode_envs:
+        trainer.collector.settings = dataclasses.replace(
+            trainer.collector.settings,
+            instruction=resolve_env_class(env).instruction,
+            invalid_action=resolve_env_class(env).invalid_action,
+        )
+        for count in args.mode_episodes:
+            tasks = task_refs(env, count)
+            sizes = {"all": 0, "half": max(count // 2, 1)}
+            play_mode(trainer, env, tasks, "lockstep", 0)  # warm-up: first-call costs out of the timings
+            rounds = []
+            for _ in range(args.repeats):
+                rounds.append({f"{mode}_{size}": play_mode(trainer, env, tasks, mode, sizes[size]) for mode, size in MODE_VARIANTS})
+            row = {"env": env, "episodes": count, "batch_sizes": sizes, "rounds": rounds}
+            for name in rounds[0]:
+                run = median_of([r[name] for r in rounds])
+                run.update(episodes_per_s=run["episodes"] / run["seconds"], tokens_per_s=run["tokens"] / run["seconds"],
+                           peak_rss_bytes=max(r[name]["peak_rss_bytes"] for r in rounds))
+                row[name] = run
+            for base in ("lockstep_all", "lockstep_half"):
+                ratios = [r["continuous_half"]["tokens"] / r["continuous_half"]["seconds"]
+                          / (r[base]["tokens"] / r[base]["seconds"]) for r in rounds]
+                row[f"ratio_continuous_vs_{base}"] = statistics.median(ratios)
+            rows.append(row)
+    return rows
+
+
+def report_modes(rows) -> None:
+    print("\nlockstep against continuous (same tasks, alternating; continuous/lockstep: median of per-round tokens/s ratios)")
+    print(f"{'env':>10}{'eps':>5}{'variant':>18}{'calls':>7}{'eps/s':>8}{'tok/s':>9}{'idle':>7}{'envwait':>9}{'RSS MB':>8}")
+    for row in rows:
+        for name, _ in [(f"{m}_{s}", None) for m, s in MODE_VARIANTS]:
+            run = row[name]
+            print(f"{row['env']:>10}{row['episodes']:>5}{name:>18}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
+                  f"{run['tokens_per_s']:>9,.0f}{run['engine_idle_share']:>7.1%}{run['env_wait_share']:>9.1%}"
+                  f"{run['peak_rss_bytes'] / 2**20:>8,.0f}")
+        print(f"{'':>15}continuous/lockstep(all) {row['ratio_continuous_vs_lockstep_all']:.2f}, "
+              f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}")
+
+
+@contextlib.contextmanager
+def reply_length(trainer, tokens: int):
+    """HF generate replies of exactly `tokens` tokens (min = max new tokens), for the latency fit."""
+    keys = {"max_new_tokens": tokens, "min_new_tokens": tokens}
+    saved = {key: getattr(trainer.generation_config, key) for key in keys}
+    saved_kwargs = {key: trainer.generation_kwargs.get(key) for key in keys}
+    trainer.generation_config.update(**keys)
+    trainer.generation_kwargs.update(keys)
+    try:
+        yield
+    finally:
+        trainer.generation_config.update(**saved)
+        trainer.generation_kwargs.update(saved_kwargs)
+
+
+def fit_latency(trainer, env: str, batches=(1, 4, 16), lengths=(8, 32), repeats: int = 3) -> dict:
+    """This machine's HF generate cost, fitted by least squares to
+    per_call + per_prompt_token x prompt tokens + per_step x steps + per_token x batch x steps
+    from calls on `env`'s first-turn prompts at each (batch, reply length), median of `repeats`."""
+    import numpy as np
+
+    tasks = task_refs(env, max(batches))
+    with VectorEnv(env, len(tasks), backend="serial") as envs:
+        adapter = TextEnvAdapter(trainer.collector.settings)
+        adapter.start(envs, tasks)
+        messages = [adapter.messages(i, 0) for i in range(len(tasks))]
+    points = []
+    for length in lengths:
+        with reply_length(trainer, length):
+            for batch in batches:
+                trainer.collector.generate_turn(messages[:batch])  # warm-up at this shape
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    out = trainer.collector.generate_turn(messages[:batch])
+                    times.append(time.perf_counter() - start)
+                prompt_tokens = sum(len(ids) for ids in out.prompt_ids)
+                points.append({"batch": batch, "reply_tokens": length, "prompt_tokens": prompt_tokens,
+                               "seconds": statistics.median(times)})
+    design = np.array([[1.0, p["prompt_tokens"], p["reply_tokens"], p["batch"] * p["reply_tokens"]] for p in points])
+    coef, *_ = np.linalg.lstsq(design, np.array([p["seconds"] for p in points]), rcond=None)
+    coef = np.maximum(coef, 0.0)  # a cost is not negative; noise can make a small one so
+    return {"per_call": float(coef[0]), "per_prompt_token": float(coef[1]), "per_step": float(coef[2]),
+            "per_token": float(coef[3]), "engine": "hf", "points": points}
+
+
+def measure_env_steps(env: str, count: int = 4, turns: int = 4) -> tuple[float, float]:
+    """Mean seconds of one env reset and of one env step of `env` (its invalid action, the
+    tiny model's usual reply; serial backend), the first build of each env included in the reset."""
+    env_class = resolve_env_class(env)
+    with VectorEnv(env, count, backend="serial") as envs:
+        start = time.perf_counter()
+        envs.reset([t.task_id for t in task_refs(env, count)])
+        reset = (time.perf_counter() - start) / count
+        start = time.perf_counter()
+        for _ in range(turns):
+            envs.step([env_class.invalid_action] * count)
+        return reset, (time.perf_counter() - start) / (count * turns)
+
+
+SIM_ENGINES = ("gpu_hf", "gpu_vllm", "cpu_hf")
+SIM_ENVS = {"fast_env_20ms": 0.02, "slow_env_500ms": 0.5}
+SIM_VARIANTS = (("lockstep", 0), ("lockstep", 8), ("continuous", 2), ("continuous", 4), ("continuous", 8))  # N / divisor
+
+
+def simulate(episode_counts=(8, 32, 128, 512), max_turns: int = 12, seed: int = 0, measured: dict | None = None) -> list[dict]:
+    """Every variant on the simulated engine and envs; figures are virtual seconds. `measured`
+    adds an engine "cpu_measured" (`fit_latency`'s model) with this machine's env step times."""
+    from bench.rollout_sim import EnvModel, LatencyModel, SimClock, SimEngine, SimEnvRunner, SimEnvs
+
+    setups = [(engine, getattr(LatencyModel, engine)(), SIM_ENVS) for engine in SIM_ENGINES]
+    if measured:
+        fields = {k: measured["latency"][k] for k in ("per_call", "per_prompt_token", "per_step", "per_token", "engine")}
+        env_steps = {f"{env}_measured_{seconds * 1000:.2f}ms": seconds for env, seconds in measured["env_step_s"].items()}
+        setups.append(("cpu_measured", LatencyModel(**fields), env_steps))
+    rows = []
+    for engine, latency, env_models in setups:
+        for env_name, step_median in env_models.items():
+            for count in episode_counts:
+                row = {"engine": engine, "env": env_name, "episodes": count, "latency": dataclasses.asdict(latency)}
+                for mode, divisor in SIM_VARIANTS:
+                    batch = count // divisor if divisor else 0
+                    clock = SimClock()
+                    tasks = [TaskRef(i, group=i // 8) for i in range(count)]
+                    settings = RolloutSettings(max_turns=max_turns, rollout_batch_size=batch, mode=mode, history_length=1)
+                    engine_fn = SimEngine(clock, latency, seed=seed)
+                    envs = SimEnvs(clock, count, EnvModel(step_median=step_median), seed=seed)
+                    rollout = run_rollouts(envs, tasks, engine_fn, settings, clock=clock, env_runner=SimEnvRunner(clock))
+                    metrics = rollout.metrics()
+                    tokens = sum(len(step.completion_ids) for step in rollout.steps)
+                    row[f"{mode}_n/{divisor}" if divisor else f"{mode}_all"] = {
+                        "batch_size": batch, "seconds": rollout.seconds["rollout"], "steps": len(rollout.steps),
+                        "generate_calls": rollout.generate_calls, "tokens_per_s": tokens / rollout.seconds["rollout"],
+                        "episodes_per_s": count / rollout.seconds["rollout"],
+                        "engine_idle_share": metrics["rollout/engine_idle_share"],
+                        "env_wait_share": metrics["rollout/env_wait_share"],
+                    }
+                base = row["lockstep_all"]["seconds"]
+                row["speedup_vs_lockstep_all"] = {k: base / v["seconds"] for k, v in row.items() if isinstance(v, dict) and "seconds" in v}
+                rows.append(row)
+    return rows
+
+
+def report_simulation(rows) -> None:
+    print("\nsimulated engine (virtual seconds): speed-up over lockstep with one call per turn; idle = engine idle share")
+    names = [k for k in rows[0]["speedup_vs_lockstep_all"]]
+    print(f"{'engine':>13}{'env':>30}{'eps':>5}" + "".join(f"{n:>24}" for n in names))
+    for row in rows:
+        cells = "".join(f"{row['speedup_vs_lockstep_all'][n]:>10.2f}x idle {row[n]['engine_idle_share']:>6.1%}" for n in names)
+        print(f"{row['engine']:>13}{row['env']:>30}{row['episodes']:>5}{cells}")
+
+
 def report(result) -> None:
     sequential = result["one_at_a_time"]["tokens_per_s"]
     print(f"\none env at a time (batch-1 generation): {sequential:,.0f} tokens/s")
@@ -283,13 +533,51 @@ def plot(result, path: Path, title: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.simulate:
+        measured = None
+        if args.calibrate:
+            torch.manual_seed(0)
+            model, tokenizer = load_policy(args)
+            with tempfile.TemporaryDirectory() as output_dir:
+                trainer = make_trainer(model, tokenizer, args, output_dir)
+                measured = {"latency": fit_latency(trainer, args.env, lengths=(4, 16) if args.quick else (8, 32)),
+                            "env_reset_and_step_s": {env: measure_env_steps(env) for env in args.mode_envs}}
+                measured["env_step_s"] = {env: step for env, (_, step) in measured["env_reset_and_step_s"].items()}
+                trainer.close_envs()
+            latency = measured["latency"]
+            print("fitted HF generate cost on this machine: " + ", ".join(
+                f"{k} {latency[k] * 1000:.3f} ms" for k in ("per_call", "per_prompt_token", "per_step", "per_token")))
+            print("env reset / step: " + ", ".join(
+                f"{env} {r * 1000:.1f} / {s * 1000:.2f} ms" for env, (r, s) in measured["env_reset_and_step_s"].items()))
+        rows = simulate((8, 32) if args.quick else (8, 32, 128, 512), measured=measured)
+        report_simulation(rows)
+        result = {"simulation": rows, "measured": measured, "max_turns": 12, "clock": "virtual seconds (bench.rollout_sim)",
+                  "replies": "log-normal, median 300, clipped to 50..2000 tokens", "machine": common.machine()}
+        common.write_json(args.out, result)
+        print(f"wrote {args.out}")
+        return result
     if args.vllm:  # vLLM's CPU build otherwise reserves a share of RAM for its KV cache
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.manual_seed(0)
     model, tokenizer = load_policy(args)
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = make_trainer(model, tokenizer, args, output_dir)
+        modes = compare_modes(trainer, args)
+        report_modes(modes)
+        if args.modes_only:
+            trainer.close_envs()
+            result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
+                      "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
+                      "machine": common.machine(), "median_of": args.repeats}
+            common.write_json(args.out, result)
+            print(f"wrote {args.out}")
+            return result
+        trainer.collector.settings = dataclasses.replace(
+            trainer.collector.settings, instruction=resolve_env_class(args.env).instruction,
+            invalid_action=resolve_env_class(args.env).invalid_action, mode="lockstep", rollout_batch_size=0,
+        )
         result = measure(trainer, args)
+        result["modes"] = modes
         if args.vllm:
             measure_vllm(trainer, model, tokenizer, args, output_dir, result)
         trainer.close_envs()

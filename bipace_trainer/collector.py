@@ -9,9 +9,9 @@
 It owns what a rollout needs of the trainer: generation per turn through TRL's own
 `_generate_single_turn` (HF generate or vLLM) with the sampling temperature in force,
 the actor's hidden states when the estimator needs them (`hidden`), one `VectorEnv` per
-use ("train", "eval") kept across generations, the lockstep loop (`rollout.run_rollouts`)
-with cross-rank reductions, the progress bar, the "every episode failed" guard, and the
-trajectory records (`trajectories`).
+use ("train", "eval") kept across generations, the rollout loop (`rollout.run_rollouts`,
+lockstep or continuous per `rollout_mode`) with cross-rank reductions, the progress bar,
+the "every episode failed" guard, and the trajectory records (`trajectories`).
 
 A kind of environment is an *env source* (`TextEnvSource`: our registered `TextEnv`s;
 `ToolEnvSource`: TRL's `environment_factory` / `tools`) together with its `EnvAdapter`
@@ -38,7 +38,7 @@ from envs.vector import VectorEnv
 
 from . import trajectories
 from .hidden import PrefillCapture, forward_hidden_states
-from .rollout import EnvAdapter, Generation, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from .rollout import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .tool_envs import ToolEnvAdapter, ToolSession
 from .vllm_backend import WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
 
@@ -63,8 +63,15 @@ MAX_ALL_FAILED_GENERATIONS = 3
 SUMMED_OVER_RANKS = (
     "episode/steps", "episode/env_failures", "episode/padded_rows", "env/steps", "env/failures", "env/failures/",
     "train/masked_failed_episodes", "train/masked_failed_steps",
+    "rollout/prompt_tokens", "rollout/prompt_tokens_shared", "rollout/prompt_tokens_prefix_of_previous",
 )
 _DUMMY_PROMPT = [{"role": "user", "content": "."}]
+
+
+def _sharded_forward(trainer) -> bool:
+    """Whether every rank must join each forward pass (ZeRO-3 or FSDP shard the parameters)."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return (plugin is not None and plugin.zero_stage == 3) or bool(getattr(trainer, "is_fsdp_enabled", False))
 
 
 class CrossRankSync:
@@ -224,8 +231,14 @@ class RolloutCollector:
             action_key_tokens=args.action_key_tokens,
             instruction=getattr(getattr(source, "env_class", None), "instruction", ""),
             invalid_action=getattr(getattr(source, "env_class", None), "invalid_action", "look"),
+            mode=args.rollout_mode,
         )
         self.sync = CrossRankSync(trainer.accelerator)
+        if args.rollout_mode == "continuous" and _sharded_forward(trainer):
+            raise ValueError(
+                "rollout_mode='continuous' cannot run under ZeRO-3 or FSDP (every rank must run each forward "
+                "together, and continuous ranks make their calls independently); set rollout_mode='lockstep'."
+            )
         self.weight_syncs = None
         if trainer.use_vllm:
             install_cpu_weight_loading(trainer.vllm_generation)
@@ -372,9 +385,12 @@ class RolloutCollector:
         with self.weight_syncs.awake() if trainer.use_vllm else contextlib.nullcontext(False) as pushed:
             if pushed:  # sleep mode discarded the weights; they are the current step's again
                 trainer._last_loaded_step = trainer.state.global_step
+            # Continuous ranks play on their own, unless generation gathers across ranks (vLLM):
+            # then every rank makes the same number of calls.
+            collective = self.settings.mode == "lockstep" or trainer.use_vllm
             with self._turn_progress(name, len(tasks)) as on_turn:
                 rollout = run_rollouts(
-                    envs, tasks, self.generate_turn, self.settings, sync=self.sync,
+                    envs, tasks, self.generate_turn, self.settings, sync=self.sync if collective else LocalSync(),
                     traj_offset=traj_offset, on_turn=on_turn, adapter=self.source.adapter(self.settings),
                 )
         if name == "train":

@@ -18,6 +18,7 @@ from envs.surface import split_surface_kwargs
 from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
+from .rollout import ROLLOUT_MODES
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "printing_only"]
 
@@ -90,8 +91,9 @@ FIELD_GROUPS = {
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
-        "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "require_think",
-        "action_key_tokens", "resample_without_signal", "resample_max_seconds", "penalize_env_failures", "tool_errors",
+        "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "rollout_mode",
+        "require_think", "action_key_tokens", "resample_without_signal", "resample_max_seconds", "penalize_env_failures",
+        "tool_errors",
     ),
     "what a run records": ("rollout_dump_steps",),
 }
@@ -181,6 +183,17 @@ class BiPACEConfig(GRPOConfig):
         name of a backend registered with `envs.vector.register_backend`.
     env_workers (`int` or `None`), env_step_timeout (`float`, 60): pool size and per-step timeout.
     rollout_batch_size (`int`, 0): most prompts per generate call (0: all active envs at once).
+    rollout_mode (`str`, `"lockstep"`): how episodes advance. `lockstep`: every turn generates for
+        all active envs, then steps them all. `continuous`: each episode advances on its own; a
+        call takes the first `rollout_batch_size` ready episodes (0: all ready) in (turn, env)
+        order, and their envs step on a worker thread while the next call generates. Same
+        records, advantages, dumps and resume as lockstep, deterministic under a seed; it
+        overlaps envs with generation only when `rollout_batch_size` is below the episodes
+        playing. Per rank under DDP with HF `generate`; under vLLM every rank makes the same
+        number of calls (TRL gathers prompts across ranks), and a call still waits for its
+        longest reply (TRL's `_generate_single_turn` is synchronous: vLLM batches continuously
+        inside a call, not across calls). ZeRO-3 and FSDP refuse it (every rank must run each
+        forward together): use `lockstep` there. See docs/rollout_modes.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,
@@ -348,6 +361,9 @@ class BiPACEConfig(GRPOConfig):
         default="observe",
         metadata={"help": "observe (the tool's error is its result, as TRL) | fail (the episode ends as an env failure)."},
     )
+    rollout_mode: str = field(
+        default="lockstep", metadata={"help": "lockstep | continuous: episodes advance turn by turn together, or each on its own."}
+    )
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})
     resample_without_signal: int = field(
@@ -464,6 +480,7 @@ class BiPACEConfig(GRPOConfig):
             (self.env_step_timeout < self.ddp_timeout, "env_step_timeout",
              f"must be below ddp_timeout ({self.ddp_timeout} s): the other ranks wait that long for a hung env's rank"),
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
+            (self.rollout_mode in ROLLOUT_MODES, "rollout_mode", f"must be one of {ROLLOUT_MODES}"),
             (self.resample_without_signal >= 0, "resample_without_signal", "must be >= 0 (0 = skip a batch without signal)"),
             (self.resample_max_seconds >= 0, "resample_max_seconds", "must be >= 0 (0 = no time bound)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),

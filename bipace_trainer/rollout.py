@@ -1,4 +1,4 @@
-"""Lockstep multi-turn rollouts over many envs → flat step records (SPEC §1).
+"""Multi-turn rollouts over many envs, lockstep or continuous → flat step records (SPEC §1).
 
     rollout = run_rollouts(envs, tasks, generate, RolloutSettings(max_turns=15, ...))
     rollout.steps        # one StepRecord per env step = one training sample
@@ -22,11 +22,23 @@ parameters collectively inside each call). `sync` carries that: the loop runs wh
 *any* rank has an active env, and the number of generate calls per turn is the
 maximum over ranks; a rank with nothing left calls `generate([])`, which the trainer
 turns into a dummy generation.
+
+`settings.mode="continuous"` plays the same episodes without the turn barrier: see
+`run_rollouts`. It goes through the same adapters and gives the same `Rollout`. What it
+overlaps: one env step (the `adapter.step` of the previous call's episodes) with the next
+generate call. What it does not: two generate calls with each other (TRL's
+`_generate_single_turn` is synchronous; under vLLM the engine batches continuously
+inside a call, and a call still ends with its longest reply), nor the KV cache of a
+prompt across calls (HF `generate` prefills every prompt, copies included;
+`PromptCounter` counts what could be reused). Env steps then run on a worker thread: an
+engine that must stay on the main thread (the "serial" backend with `step_timeout=None`)
+needs lockstep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -52,6 +64,10 @@ __all__ = [
     "EnvAdapter",
     "TextEnvAdapter",
     "run_rollouts",
+    "ROLLOUT_MODES",
+    "PromptCounter",
+    "InlineEnvRunner",
+    "ThreadEnvRunner",
 ]
 
 
@@ -110,6 +126,10 @@ class RolloutSettings:
     action_key_tokens: int = 0  # > 0: key actions on their first k tokens
     instruction: str = ""
     invalid_action: str = "look"
+    mode: str = "lockstep"  # "lockstep" or "continuous" (ROLLOUT_MODES; see run_rollouts)
+
+
+ROLLOUT_MODES = ("lockstep", "continuous")
 
 
 @dataclass
@@ -163,6 +183,7 @@ class Rollout:
     seconds: dict[str, float]
     generate_calls: int = 0
     reward_metrics: dict[str, float] = field(default_factory=dict)  # what reward functions logged (`log_metric`)
+    prompt_counts: dict[str, int] = field(default_factory=dict)  # PromptCounter's tallies over the generate calls
 
     def step_batch(self) -> StepBatch:
         """The estimator's input: one row per step (hidden stacked when every step has it)."""
@@ -210,6 +231,12 @@ class Rollout:
         if any(e.score is not None for e in episodes):  # an episode that never scored (no purchase) scores 0
             out["episode/score"] = sum(e.score or 0.0 for e in episodes) / n
         out.update({f"time/{name}_s": value for name, value in self.seconds.items()})
+        wall = self.seconds.get("rollout", 0.0)
+        if wall > 0:  # how much of the wall time the engine sat idle, and how much of it waited on envs
+            busy = self.seconds.get("generate", 0.0) + self.seconds.get("hidden", 0.0)
+            out["rollout/engine_idle_share"] = min(max(1.0 - busy / wall, 0.0), 1.0)
+            out["rollout/env_wait_share"] = min(self.seconds.get("env_wait", 0.0) / wall, 1.0)
+        out.update({f"rollout/{name}": float(value) for name, value in self.prompt_counts.items()})
         out.update(self.reward_metrics)
         return out
 
@@ -303,6 +330,125 @@ def _is_failure(result: StepResult | None) -> bool:
     return result is None or "env_failure" in (result.info or {})
 
 
+class PromptCounter:
+    """Prompt tokens sent to the engine, and how many of them it could have skipped.
+
+    - prompt_tokens: every prompt token of every generate call (what HF `generate` prefills);
+    - prompt_tokens_shared: tokens of prompts identical to an earlier prompt of the same call
+      (a group's G turn-0 prompts are G copies of one): vLLM's prefix cache encodes them once,
+      HF `generate` encodes every copy;
+    - prompt_tokens_prefix_of_previous: tokens at the start of a prompt that repeat the same
+      episode's previous prompt and reply (the history that only grew): what a KV cache kept
+      across turns could skip. Neither HF path here keeps one, so this counts, it does not save.
+    """
+
+    def __init__(self):
+        self.counts = {"prompt_tokens": 0, "prompt_tokens_shared": 0, "prompt_tokens_prefix_of_previous": 0}
+        self.previous: dict[int, list[int]] = {}  # episode -> its last prompt + reply
+
+    def add(self, episodes: Sequence[int], generation: Generation) -> None:
+        seen: set[tuple[int, ...]] = set()
+        for i, prompt, completion in zip(episodes, generation.prompt_ids, generation.completion_ids):
+            key = tuple(prompt)
+            self.counts["prompt_tokens"] += len(prompt)
+            if key in seen:
+                self.counts["prompt_tokens_shared"] += len(prompt)
+            seen.add(key)
+            before = self.previous.get(i)
+            if before is not None:
+                common = 0
+                for a, b in zip(before, prompt):
+                    if a != b:
+                        break
+                    common += 1
+                self.counts["prompt_tokens_prefix_of_previous"] += common
+            self.previous[i] = list(prompt) + list(completion)
+
+
+class InlineEnvRunner:
+    """Runs an env step where it is asked for: the lockstep rollout's way."""
+
+    def submit(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def result(self, handle: Any) -> Any:
+        return handle
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadEnvRunner:
+    """Runs env steps on one worker thread while the calling thread generates: the
+    continuous rollout's way. One step call is in flight at a time, so a `VectorEnv`
+    (whose own backend may fan the call out) is never entered by two threads at once."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-env")
+
+    def submit(self, fn: Callable[[], Any]) -> Any:
+        return self.pool.submit(fn)
+
+    def result(self, handle: Any) -> Any:
+        return handle.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class _Play:
+    """The per-episode bookkeeping both rollout modes share: turning a reply, its action and
+    the env's result into a `StepRecord` and updating the `Episode`."""
+
+    def __init__(self, tasks, episodes, current, done):
+        self.tasks, self.episodes, self.current, self.done = tasks, episodes, current, done
+        self.steps: list[StepRecord] = []
+
+    def record(self, i, turn, result, action, prompt_ids, completion_ids, text, hidden, logprobs) -> None:
+        episode = self.episodes[i]
+        failed = _is_failure(result)
+        reward = 0.0 if failed else float(result.reward)
+        self.steps.append(
+            StepRecord(
+                group=self.tasks[i].group,
+                traj=episode.traj,
+                t=turn,
+                prompt_ids=prompt_ids,
+                completion_ids=completion_ids,
+                reply=text,
+                action=action.command if action.command is not None else "",
+                valid=action.valid,
+                action_key=action.key,
+                anchor=self.current[i].anchor,
+                observation=self.current[i].observation,
+                reward=reward,
+                hidden=hidden,
+                sampling_logprobs=logprobs,
+            )
+        )
+        episode.length += 1
+        episode.reward += reward
+        episode.invalid_steps += not action.valid
+        if failed:
+            self.done[i] = episode.failed = True
+            episode.failure = (result.info or {}).get("env_failure", "") if result else "no result"
+            return
+        episode.won = episode.won or result.won
+        if "score" in (result.info or {}):
+            episode.score = float(result.info["score"])
+        episode.truncated = "truncated" in (result.info or {})
+        self.current[i] = result
+        self.done[i] = result.done
+
+
+def _call(generate, adapter, messages, environments) -> Generation:
+    if adapter.uses_tools:
+        return generate(messages, environments=environments)
+    return generate(messages)
+
+
 def run_rollouts(
     envs,
     tasks: Sequence[TaskRef],
@@ -313,28 +459,55 @@ def run_rollouts(
     traj_offset: int = 0,
     on_turn: Callable[[int, int], None] | None = None,
     adapter: EnvAdapter | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    env_runner: Any = None,
 ) -> Rollout:
-    """Play `tasks[i]` in env i of `envs` (a `VectorEnv` with len(tasks) envs) in lockstep.
+    """Play `tasks[i]` in env i of `envs` (a `VectorEnv` with len(tasks) envs), in `settings.mode`.
+
+    "lockstep" (the default): every turn, all active envs' prompts are generated (in calls
+    of at most `rollout_batch_size`), then all envs step at once; the next turn waits for both.
+
+    "continuous": each episode advances on its own. The ready episodes (reset, or their
+    env step returned) are kept in (turn, index) order; the next generate call takes the
+    first `rollout_batch_size` of them (0: all ready), their replies go to their envs in
+    one `adapter.step` on a worker thread (`ThreadEnvRunner`), and while that step runs
+    the next call is formed from the episodes ready *before* it and generated. The step
+    is joined after that call returns, so which episodes share a call depends only on the
+    replies, never on thread timing: under a seed a run is repeatable. When nothing is
+    ready, the loop waits for the step in flight (`seconds["env_wait"]`). Envs overlap
+    generation only when a call holds fewer episodes than are playing: with
+    `rollout_batch_size=0` every call takes all ready episodes and the loop is lockstep
+    with other bookkeeping. Steps come back sorted as lockstep orders them (turn, then env).
+    With `sync`, every rank makes the same number of generate calls (an empty call is a
+    dummy generation), for generation backends that gather across ranks (vLLM); a per-rank
+    backend (HF `generate` under DDP) needs no `sync` in this mode.
 
     Args:
         envs: a `VectorEnv` (or anything with the same reset/step contract).
         tasks: one `TaskRef` per env; rollouts of one task share its `group`.
         generate: maps a list of chat messages to a `Generation` (`Generator`).
-        settings: turn budget, history window, parsing options.
+        settings: turn budget, history window, parsing options, `mode`.
         sync: cross-rank reductions (`LocalSync` for one process).
         traj_offset: first trajectory id (keeps ids unique across calls or ranks).
-        on_turn: called after every turn with (turn, envs still playing), e.g. to show progress.
+        on_turn: called after every turn with (turn, envs still playing), e.g. to show progress
+            (continuous: when the slowest episode has finished that turn).
         adapter: the kind of environment (`EnvAdapter`); default `TextEnvAdapter(settings)`.
+        clock: the time source of `Rollout.seconds` (a simulation passes its virtual clock).
+        env_runner: where continuous env steps run (default `ThreadEnvRunner()`; a
+            simulation passes one that runs them on its virtual clock).
     """
+    if settings.mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout_mode={settings.mode!r} must be one of {ROLLOUT_MODES}.")
     sync = sync or LocalSync()
     adapter = adapter or TextEnvAdapter(settings)
-    rollout_start = time.perf_counter()
-    seconds = {"generate": 0.0, "env": 0.0, "hidden": 0.0}
+    rollout_start = clock()
+    seconds = {"generate": 0.0, "env": 0.0, "hidden": 0.0, "env_wait": 0.0}
     n = len(tasks)
     episodes = [Episode(traj_offset + i, task.group, task.task_id, dict(task.attributes)) for i, task in enumerate(tasks)]
-    start = time.perf_counter()
+    start = clock()
     current = list(adapter.start(envs if n else None, tasks))
-    seconds["env"] += time.perf_counter() - start
+    seconds["env"] += clock() - start
+    seconds["env_wait"] += clock() - start
     for episode, result in zip(episodes, current):
         episode.task = (result.info or {}).get("task", "") if result is not None else ""
     done = [False] * n
@@ -346,7 +519,39 @@ def run_rollouts(
         elif result.done:
             done[i] = True
             episodes[i].won = result.won  # solved at reset: a success in zero steps
-    steps: list[StepRecord] = []
+    play = _Play(tasks, episodes, current, done)
+    counter = PromptCounter()
+    loop = _lockstep if settings.mode == "lockstep" else _continuous
+    generate_calls = loop(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner)
+    for i in range(n):
+        if not done[i]:
+            episodes[i].truncated = True
+    seconds["rollout"] = clock() - rollout_start
+    rollout = Rollout(
+        steps=play.steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls, prompt_counts=counter.counts
+    )
+    if n:
+        start = clock()
+        adapter.finish(envs, rollout)
+        seconds["env"] += clock() - start
+        seconds["env_wait"] += clock() - start
+        seconds["rollout"] = clock() - rollout_start
+    return rollout
+
+
+def _timed_generate(generate, adapter, batches, environments, seconds, clock) -> list[Generation]:
+    outputs = []
+    start = clock()
+    for messages, envs_of_batch in zip(batches, environments):
+        outputs.append(_call(generate, adapter, messages, envs_of_batch))
+    hidden_seconds = sum(out.hidden_seconds for out in outputs)
+    seconds["generate"] += clock() - start - hidden_seconds
+    seconds["hidden"] += hidden_seconds
+    return outputs
+
+
+def _lockstep(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner) -> int:
+    done, current, n = play.done, play.current, len(play.done)
     generate_calls = 0
     for turn in range(settings.max_turns):
         active = [i for i in range(n) if not done[i]]
@@ -356,18 +561,14 @@ def run_rollouts(
         environments = [adapter.environment(i) for i in active]
         chunk = settings.rollout_batch_size or max(len(active), 1)
         num_calls = sync.max(math.ceil(len(active) / chunk))
-        outputs: list[Generation] = []
-        start = time.perf_counter()
-        for c in range(num_calls):
-            batch = messages[c * chunk : (c + 1) * chunk]
-            if adapter.uses_tools:
-                outputs.append(generate(batch, environments=environments[c * chunk : (c + 1) * chunk]))
-            else:
-                outputs.append(generate(batch))
-        hidden_seconds = sum(out.hidden_seconds for out in outputs)
-        seconds["generate"] += time.perf_counter() - start - hidden_seconds
-        seconds["hidden"] += hidden_seconds
+        cuts = [slice(c * chunk, (c + 1) * chunk) for c in range(num_calls)]
+        outputs = _timed_generate(
+            generate, adapter, [messages[cut] for cut in cuts],
+            [environments[cut] if adapter.uses_tools else None for cut in cuts], seconds, clock,
+        )
         generate_calls += num_calls
+        for c, out in enumerate(outputs):
+            counter.add(active[cuts[c]], out)
         prompt_ids = [ids for out in outputs for ids in out.prompt_ids]
         completion_ids = [ids for out in outputs for ids in out.completion_ids]
         texts = [text for out in outputs for text in out.texts]
@@ -378,55 +579,93 @@ def run_rollouts(
         actions: list[Action | None] = [None] * n
         for j, i in enumerate(active):
             actions[i] = adapter.act(i, texts[j], prompt_ids[j], completion_ids[j])
-        start = time.perf_counter()
+        start = clock()
         results = adapter.step(envs, actions) if active else [None] * n
-        seconds["env"] += time.perf_counter() - start
+        seconds["env"] += clock() - start
+        seconds["env_wait"] += clock() - start  # lockstep waits out every env step
 
         for j, i in enumerate(active):
-            result, action, episode = results[i], actions[i], episodes[i]
-            failed = _is_failure(result)
-            reward = 0.0 if failed else float(result.reward)
-            steps.append(
-                StepRecord(
-                    group=tasks[i].group,
-                    traj=episode.traj,
-                    t=turn,
-                    prompt_ids=prompt_ids[j],
-                    completion_ids=completion_ids[j],
-                    reply=texts[j],
-                    action=action.command if action.command is not None else "",
-                    valid=action.valid,
-                    action_key=action.key,
-                    anchor=current[i].anchor,
-                    observation=current[i].observation,
-                    reward=reward,
-                    hidden=hidden[j] if hidden is not None else None,
-                    sampling_logprobs=logprobs[j] if logprobs is not None else None,
-                )
+            play.record(
+                i, turn, results[i], actions[i], prompt_ids[j], completion_ids[j], texts[j],
+                hidden[j] if hidden is not None else None, logprobs[j] if logprobs is not None else None,
             )
-            episode.length += 1
-            episode.reward += reward
-            episode.invalid_steps += not action.valid
-            if failed:
-                done[i] = episode.failed = True
-                episode.failure = (result.info or {}).get("env_failure", "") if result else "no result"
-                continue
-            episode.won = episode.won or result.won
-            if "score" in (result.info or {}):
-                episode.score = float(result.info["score"])
-            episode.truncated = "truncated" in (result.info or {})
-            current[i] = result
-            done[i] = result.done
         if on_turn is not None:
             on_turn(turn, done.count(False))
-    for i in range(n):
-        if not done[i]:
-            episodes[i].truncated = True
-    seconds["rollout"] = time.perf_counter() - rollout_start
-    rollout = Rollout(steps=steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls)
-    if n:
-        start = time.perf_counter()
-        adapter.finish(envs, rollout)
-        seconds["env"] += time.perf_counter() - start
-        seconds["rollout"] = time.perf_counter() - rollout_start
-    return rollout
+    return generate_calls
+
+
+def _continuous(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner) -> int:
+    done, n = play.done, len(play.done)
+    runner = env_runner if env_runner is not None else ThreadEnvRunner()
+    turn = [0] * n
+    ready = [i for i in range(n) if not done[i]]
+    in_flight = None  # (handle, the batch's records) of the env step running now
+    generate_calls = 0
+    reported = -1  # the last turn every episode has finished (for on_turn)
+
+    def step_batch(actions):
+        start = clock()
+        results = adapter.step(envs, actions)
+        return results, clock() - start
+
+    def land(flight) -> None:
+        handle, batch = flight
+        start = clock()
+        results, env_seconds = runner.result(handle)
+        seconds["env_wait"] += clock() - start
+        seconds["env"] += env_seconds
+        for i, action, prompt_ids, completion_ids, text, hidden, logprobs in batch:
+            play.record(i, turn[i], results[i], action, prompt_ids, completion_ids, text, hidden, logprobs)
+            turn[i] += 1
+            if not done[i] and turn[i] < settings.max_turns:
+                ready.append(i)
+
+    def report_turns() -> None:
+        nonlocal reported
+        if on_turn is None:
+            return
+        playing = [turn[i] for i in range(n) if not done[i] and turn[i] < settings.max_turns]
+        finished = min(playing) - 1 if playing else settings.max_turns - 1
+        while reported < finished:
+            reported += 1
+            on_turn(reported, len(playing))
+
+    try:
+        while True:
+            if not ready and in_flight is not None:
+                land(in_flight)
+                in_flight = None
+                report_turns()
+            if not sync.any(bool(ready) or in_flight is not None):
+                break
+            ready.sort(key=lambda i: (turn[i], i))
+            take = settings.rollout_batch_size or len(ready)
+            batch, ready[:] = ready[:take], ready[take:]
+            messages = [adapter.messages(i, turn[i]) for i in batch]
+            environments = [adapter.environment(i) for i in batch] if adapter.uses_tools else None
+            (out,) = _timed_generate(generate, adapter, [messages], [environments], seconds, clock)
+            generate_calls += 1
+            counter.add(batch, out)
+            actions: list[Action | None] = [None] * n
+            records = []
+            for j, i in enumerate(batch):
+                actions[i] = adapter.act(i, out.texts[j], out.prompt_ids[j], out.completion_ids[j])
+                hidden = out.hidden[j] if out.hidden is not None and len(out.hidden) else None
+                logprobs = out.logprobs[j] if out.logprobs is not None else None
+                records.append((i, actions[i], out.prompt_ids[j], out.completion_ids[j], out.texts[j], hidden, logprobs))
+            if in_flight is not None:  # joined only now: the call above was formed without it
+                land(in_flight)
+                in_flight = None
+                report_turns()
+            if batch:
+                in_flight = (runner.submit(functools.partial(step_batch, actions)), records)
+    finally:
+        if in_flight is not None:  # an error above: let the step in flight finish before the envs are reused
+            try:
+                runner.result(in_flight[0])
+            except Exception:  # noqa: BLE001 - the first error is the one to raise
+                pass
+        runner.close()
+    report_turns()
+    play.steps.sort(key=lambda s: (s.t, s.traj))  # lockstep's order: turn, then env
+    return generate_calls

@@ -60,6 +60,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--preset", default="bipace_q")
+    parser.add_argument("--rollout_mode", default="lockstep")
     cli = parser.parse_args()
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, seed=0)
@@ -76,6 +77,7 @@ def main():
         evaluate_before_training=False,
         shuffle_dataset=False,
         learning_rate=1e-3,
+        rollout_mode=cli.rollout_mode,
     )
     trainer = RecordingTrainer(
         model, args=args, processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
