@@ -1,8 +1,8 @@
-"""bench.learning_runner.hosts: which hosts a (resumed) study's warm starts and runs came from."""
+"""studies.learning.runner.hosts: which hosts a (resumed) study's warm starts and runs came from."""
 
 from __future__ import annotations
 
-from bench.learning_runner import hosts
+from studies.learning.runner import hosts
 
 
 def _result(platform, cpu="EPYC", torch="2.13.0+cpu"):

@@ -1,4 +1,4 @@
-"""bench/oracle_study.py: the oracle's values on real TextCraft and ALFWorld play, the statistics on
+"""studies/oracle/study.py: the oracle's values on real TextCraft and ALFWorld play, the statistics on
 hand-made cases, and the whole study at CI size."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import oracle_metrics, oracle_study
-from bench.oracle_truth import truth_rollouts
+from studies.oracle import metrics as oracle_metrics, study as oracle_study
+from studies.oracle.truth import truth_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,7 +126,7 @@ def test_oracle_study_ci_size(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "bench.oracle_study",
+        "studies.oracle.study",
         "--size",
         "ci",
         "--out",
@@ -192,7 +192,7 @@ def test_oracle_variation_ci_size(tmp_path):
     collapse to singletons at level 1, the hidden rows exist per model, and the report prints."""
     pytest.importorskip("alfworld")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "bench.oracle_study", "--size", "ci", "--variation", "0", "1",
+    cmd = [sys.executable, "-m", "studies.oracle.study", "--size", "ci", "--variation", "0", "1",
            "--out", str(tmp_path), "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""bench/surface_learning.py: intervals and paired gaps to GiGPO on hand-made runs."""
+"""studies/surface_learning/study.py: intervals and paired gaps to GiGPO on hand-made runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.surface_learning import interval, main, steps_shared, summarise, table
+from studies.surface_learning.study import interval, main, steps_shared, summarise, table
 
 
 def _run(preset, seed, train, heldout, nonzero=1.0, seconds=10.0):

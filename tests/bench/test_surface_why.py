@@ -1,4 +1,4 @@
-"""bench/surface_why.py: its random control, and a CI-sized run on a tiny saved model."""
+"""studies/surface_why/study.py: its random control, and a CI-sized run on a tiny saved model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.surface_why import PLANS, knob_settings, random_cells, run, tables
+from studies.surface_why.study import PLANS, knob_settings, random_cells, run, tables
 
 
 @settings(max_examples=50, deadline=None)
@@ -61,7 +61,7 @@ def test_ci_plan_on_a_tiny_saved_model(tmp_path):
 
 
 def test_a_retrained_checkpoint_gets_another_cache_key(tmp_path):
-    from bench.surface_why import checkpoint_key
+    from studies.surface_why.study import checkpoint_key
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"weights")

@@ -1,9 +1,9 @@
 """Oracle study rows under surface variation: hash vs hidden-state grouping when the text of a state varies.
 
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft --variation 0 1 0.5   # levels run in this order
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld --variation 0 1 0.5
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci --variation 0 1          # CI size (tiny models)
-    python -m bench.oracle_study --variation-report docs/results/oracle/oracle_variation_*.json
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --env textcraft --variation 0 1 0.5   # levels run in this order
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --env alfworld --variation 0 1 0.5
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --size ci --variation 0 1          # CI size (tiny models)
+    python -m studies.oracle.study --variation-report studies/oracle/results/oracle_variation_*.json
 
 The same behaviour-policy episodes as `oracle_study.py` (G rollouts per task, expert with
 probability p, oracle A* from the envs' solvers), played with the env wrapped in
@@ -121,8 +121,8 @@ def load_model(name: str, env: str, corpus_batch):
 
 
 def _batch(env: str, ids: list[int], plan: VariationEnv, seed: int, level: float, truth, work_dir: Path):
-    from bench.oracle_study import GAMMA
-    from bench.oracle_truth import truth_rollouts
+    from studies.oracle.study import GAMMA
+    from studies.oracle.truth import truth_rollouts
 
     name = f"batch_{env}_{'-'.join(map(str, ids))}_g{plan.group_size}_t{plan.max_turns}_s{seed}_p{plan.expert_prob}_v{level}.pkl"
     saved = work_dir / name
@@ -139,7 +139,7 @@ def _batch(env: str, ids: list[int], plan: VariationEnv, seed: int, level: float
 
 def evaluate_base(batch) -> dict[str, Any]:
     """`oracle_study.evaluate_batch` without hidden states: hash, true, GRPO, GiGPO, GAGPO."""
-    from bench.oracle_study import Size, evaluate_batch
+    from studies.oracle.study import Size, evaluate_batch
 
     base = evaluate_batch(batch, {}, Size(envs={}, layers=()))
     grouping = {**base["grouping"], "hash/context": base["context"]["context"]}  # HGPO's deepest level, K = 2
@@ -149,7 +149,7 @@ def evaluate_base(batch) -> dict[str, Any]:
 
 def evaluate_model(batch, model: str, states: dict[int, torch.Tensor]) -> dict[str, Any]:
     """`oracle_study.evaluate_batch` with one model's states, keeping its hidden rows under its name."""
-    from bench.oracle_study import Size, evaluate_batch
+    from studies.oracle.study import Size, evaluate_batch
 
     layers, accuracy_layer = MODEL_LAYERS[model]
     r = evaluate_batch(batch, {"pretrained": states}, Size(envs={}, layers=layers, accuracy_layer=accuracy_layer))
@@ -170,8 +170,8 @@ def evaluate_model(batch, model: str, states: dict[int, torch.Tensor]) -> dict[s
 
 def hidden_context_quality(batch, hidden: torch.Tensor, eps: float) -> dict[str, float]:
     """Grouping quality of BiHGPO's deepest level: the K = 2 context cells over the hidden cells at `eps`."""
-    from bench.oracle_metrics import grouping_quality
-    from bench.oracle_study import CONTEXT_LEVELS, step_batch
+    from studies.oracle.metrics import grouping_quality
+    from studies.oracle.study import CONTEXT_LEVELS, step_batch
     from bipace_trainer.advantages import BatchLayout, context_partition, factorize, hidden_partition
 
     plain = step_batch(batch, hidden=hidden)
@@ -198,7 +198,7 @@ def run_variation(size_name: str, levels: list[float], out: Path, work_dir: Path
     the hash and true-state rows; then model by model (in the plan's order), its hidden rows on each
     batch it runs on, levels in the order given. A run stopped early thus keeps every finished row.
     """
-    from bench.oracle_study import TRUTH, HiddenStates, task_ids
+    from studies.oracle.study import TRUTH, HiddenStates, task_ids
 
     envs = {k: v for k, v in VARIATION_SIZES[size_name].items() if not only or k in only}
     out.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,13 @@
 """Why BiPACE_Q does or does not beat GiGPO in the TextCraft surface study: its step signal on the study's own policy.
 
-    OMP_NUM_THREADS=1 python -m bench.surface_why --warm-start outputs/learning_textcraft_surface/textcraft/warm
-    python -m bench.surface_why --report docs/results/textcraft_surface/surface_why.json
+    OMP_NUM_THREADS=1 python -m studies.surface_why.study --warm-start outputs/learning_textcraft_surface/textcraft/warm
+    python -m studies.surface_why.study --report studies/surface_why/results/surface_why.json
 
-The learning study (`bench.learning_study --size cpu-textcraft-surface --set train_tasks=8`) trains
-one policy shape from one warm start; the oracle rows of `bench/oracle_variation.py` measured
+The learning study (`studies.learning.study --size cpu-textcraft-surface --set train_tasks=8`) trains
+one policy shape from one warm start; the oracle rows of `studies/oracle/variation.py` measured
 BiPACE_Q's grouping on a *random-init* model of that shape and SmolLM2. This script measures it on
 the study's warm start itself (the policy every run of the study starts from, whose hidden states
-BiPACE_Q clusters at step 1), on oracle batches (`bench/oracle_truth.py`) of the study's training
+BiPACE_Q clusters at step 1), on oracle batches (`studies/oracle/truth.py`) of the study's training
 goals, turn budget (10) and discount: the behaviour policy takes the expert's action with
 probability p, so the batch has A* per step. p = 0.3 wins about as often as the warm start does on
 its training goals (0.4), so GRPO's episode term is alive, as in the study; p = 0.7 wins every
@@ -49,10 +49,10 @@ import numpy as np
 import torch
 
 from bench import common
-from bench.learning_plan import SIZES, rl_config
-from bench.oracle_metrics import correlations, grouping_quality
-from bench.oracle_study import GAMMA, HiddenStates, step_batch, task_ids
-from bench.oracle_truth import TRUTH, TruthBatch, truth_rollouts
+from studies.learning.plan import SIZES, rl_config
+from studies.oracle.metrics import correlations, grouping_quality
+from studies.oracle.study import GAMMA, HiddenStates, step_batch, task_ids
+from studies.oracle.truth import TRUTH, TruthBatch, truth_rollouts
 from bipace_trainer.advantages import BatchLayout, calibrate_eps, estimate_advantages, factorize, hidden_partition
 
 __all__ = ["WhyPlan", "PLANS", "run", "tables"]
@@ -328,7 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warm-start", type=Path, help="the study's warm start (<work-dir>/textcraft/warm of its run)")
     parser.add_argument("--plan", choices=sorted(PLANS), default="full")
-    parser.add_argument("--out", type=Path, default=common.ROOT / "docs" / "results" / "textcraft_surface")
+    parser.add_argument("--out", type=Path, default=common.ROOT / "studies" / "surface_why" / "results")
     parser.add_argument("--work-dir", type=Path, default=common.ROOT / "outputs" / "surface_why")
     parser.add_argument("--report", type=Path, help="print the tables of a finished run's JSON")
     args = parser.parse_args()
@@ -337,7 +337,7 @@ def main() -> None:
         return
     if args.warm_start is None or not (args.warm_start / "config.json").exists():
         parser.error(f"--warm-start {args.warm_start}: give the study's warm-start folder (it has config.json); "
-                     "`bench.learning_study --size cpu-textcraft-surface` trains it into <work-dir>/textcraft/warm")
+                     "`studies.learning.study --size cpu-textcraft-surface` trains it into <work-dir>/textcraft/warm")
     print(tables(run(PLANS[args.plan], args.warm_start, args.out, args.work_dir)))
 
 

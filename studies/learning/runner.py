@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench import common
-from bench.learning_plan import rl_config
+from studies.learning.plan import rl_config
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator, resolve_settings
 from bipace_trainer.demonstrations import collect_demonstrations

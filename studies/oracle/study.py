@@ -1,12 +1,12 @@
 """Estimator accuracy against an oracle, and grouping quality against the true state (no GPU, no training).
 
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft   # full size, one env per process
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env alfworld    # (~45 min together on a loaded 2-core machine)
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --size ci         # CI size (~40 s of CPU, tiny random model)
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --size hierarchy --env textcraft   # HGPO rows, no hidden states
-    python -m bench.oracle_study --report docs/results/oracle/oracle_study_*.json   # tables and plots of finished runs
-    OMP_NUM_THREADS=1 python -m bench.oracle_study --env textcraft --variation 0 0.5 1   # surface-variation rows
-                                                                                    # (bench/oracle_variation.py)
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --env textcraft   # full size, one env per process
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --env alfworld    # (~45 min together on a loaded 2-core machine)
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --size ci         # CI size (~40 s of CPU, tiny random model)
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --size hierarchy --env textcraft   # HGPO rows, no hidden states
+    python -m studies.oracle.study --report studies/oracle/results/oracle_study_*.json   # tables and plots of finished runs
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --env textcraft --variation 0 0.5 1   # surface-variation rows
+                                                                                    # (studies/oracle/variation.py)
 
 1. Rollouts with known truth (`oracle_truth.py`). G rollouts per task, as in training, on
    TextCraft and ALFWorld (official games when $ALFWORLD_DATA has them, else generated ones),
@@ -69,8 +69,8 @@ import numpy as np
 import torch
 
 from bench import common
-from bench.oracle_metrics import cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement, value_error
-from bench.oracle_truth import TRUTH, TruthBatch, truth_rollouts
+from studies.oracle.metrics import cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement, value_error
+from studies.oracle.truth import TRUTH, TruthBatch, truth_rollouts
 from bipace_trainer.advantages import (
     PRESETS,
     BatchLayout,
@@ -770,19 +770,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--env", nargs="*", help="only these envs (default: all of the size)")
-    parser.add_argument("--out", type=Path, default=common.ROOT / "docs" / "results" / "oracle")
+    parser.add_argument("--out", type=Path, default=common.ROOT / "studies" / "oracle" / "results")
     parser.add_argument("--work-dir", type=Path, default=common.ROOT / "outputs" / "oracle")
     parser.add_argument(
         "--report", type=Path, nargs="+", help="print the tables and draw the plots of finished runs' JSON (merged)"
     )
     parser.add_argument(
         "--variation", type=float, nargs="+", metavar="LEVEL",
-        help="surface-variation rows instead (bench/oracle_variation.py): the same episodes at these levels, e.g. 0 0.5 1",
+        help="surface-variation rows instead (studies/oracle/variation.py): the same episodes at these levels, e.g. 0 0.5 1",
     )
     parser.add_argument("--variation-report", type=Path, nargs="+", help="tables and plot of finished variation runs' JSON")
     args = parser.parse_args()
     if args.variation is not None or args.variation_report:
-        from bench import oracle_variation
+        from studies.oracle import variation as oracle_variation
 
         if args.variation_report:
             result = oracle_variation.report(args.variation_report)

@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.learning_plan import EnvPlan
-from bench.learning_stats import PAIRED_BASELINE, paired_differences
+from studies.learning.plan import EnvPlan
+from studies.learning.stats import PAIRED_BASELINE, paired_differences
 
 
 def print_env(env: str, summary: dict[str, Any], plan: EnvPlan) -> None:

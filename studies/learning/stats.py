@@ -14,7 +14,7 @@ import statistics
 from typing import Any
 
 from bench import common
-from bench.learning_plan import EnvPlan
+from studies.learning.plan import EnvPlan
 
 GAINS = (0.05, 0.1, 0.2)  # steps to reach warm-start success + gain
 PAIRED_BASELINE = "grpo"  # training-batch success is also reported as a difference to it, seed by seed

@@ -1,13 +1,13 @@
 """Learning comparison: GRPO, GiGPO, BiPACE_Q, GAGPO and BiGAGPO from one warm-started policy.
 
-    OMP_NUM_THREADS=1 python -m bench.learning_study                   # CPU study: tiny env, 5 seeds (~15 min)
-    OMP_NUM_THREADS=1 python -m bench.learning_study --quick           # CI size: tiny env, 1 seed (~1 min)
-    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-envs   # TextCraft + ALFWorld, tiny model (see below)
-    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-textcraft  # TextCraft, 256 x 4 model
-    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-alfworld   # ALFWorld, 256 x 4 model
-    python -m bench.learning_study --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
-    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-surface    # tiny env at surface variation 1 (issue 32)
-    OMP_NUM_THREADS=1 python -m bench.learning_study --size cpu-textcraft-surface --set train_tasks=8  # TextCraft mix, same
+    OMP_NUM_THREADS=1 python -m studies.learning.study                   # CPU study: tiny env, 5 seeds (~15 min)
+    OMP_NUM_THREADS=1 python -m studies.learning.study --quick           # CI size: tiny env, 1 seed (~1 min)
+    OMP_NUM_THREADS=1 python -m studies.learning.study --size cpu-envs   # TextCraft + ALFWorld, tiny model (see below)
+    OMP_NUM_THREADS=1 python -m studies.learning.study --size cpu-textcraft  # TextCraft, 256 x 4 model
+    OMP_NUM_THREADS=1 python -m studies.learning.study --size cpu-alfworld   # ALFWorld, 256 x 4 model
+    python -m studies.learning.study --size cuda                         # GPU: Qwen2.5-0.5B-Instruct, TextCraft + ALFWorld
+    OMP_NUM_THREADS=1 python -m studies.learning.study --size cpu-surface    # tiny env at surface variation 1 (issue 32)
+    OMP_NUM_THREADS=1 python -m studies.learning.study --size cpu-textcraft-surface --set train_tasks=8  # TextCraft mix, same
 
 Per env:
 1. Warm start. SFT (TRL's SFTTrainer) of a small policy on expert and perturbed-expert
@@ -51,10 +51,10 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.learning_plan import PRESETS, SIZES, Size
-from bench.learning_report import plot_env, print_env
-from bench.learning_runner import hosts, rl_job, run_jobs, warm_start_job
-from bench.learning_stats import summarise_env
+from studies.learning.plan import PRESETS, SIZES, Size
+from studies.learning.report import plot_env, print_env
+from studies.learning.runner import hosts, rl_job, run_jobs, warm_start_job
+from studies.learning.stats import summarise_env
 from bipace_trainer import BiPACEConfig
 
 
@@ -72,7 +72,7 @@ def parse_args(argv=None):
     parser.add_argument("--model", help="model id or path instead of the size's (None = tiny random Qwen2)")
     parser.add_argument("--jobs", type=int, help="runs in parallel (default: the size's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    parser.add_argument("--out", default=str(common.ROOT / "docs" / "results"))
+    parser.add_argument("--out", default=str(common.ROOT / "studies" / "learning" / "results"))
     parser.add_argument("--work-dir", default=str(common.ROOT / "outputs" / "learning_study"))
     parser.add_argument("--resume", action="store_true", help="reuse the warm starts and runs already in --work-dir")
     parser.add_argument("--warm-only", action="store_true",

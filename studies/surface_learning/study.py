@@ -1,11 +1,11 @@
 """The surface-variation learning run's report: success with intervals and paired differences to GiGPO.
 
-    python -m bench.surface_learning docs/results/surface_tiny/learning_study_cpu-surface.json
-    python -m bench.surface_learning --runs outputs/learning_textcraft_surface/textcraft/runs \
-        --warm docs/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json   # a study still running
-    python -m bench.surface_learning --runs A/runs --warm A/warm.json --runs B/study.json --warm B/warm.json  # two warm starts
+    python -m studies.surface_learning.study studies/surface_learning/results/surface_tiny/learning_study_cpu-surface.json
+    python -m studies.surface_learning.study --runs outputs/learning_textcraft_surface/textcraft/runs \
+        --warm studies/surface_learning/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json   # a study still running
+    python -m studies.surface_learning.study --runs A/runs --warm A/warm.json --runs B/study.json --warm B/warm.json  # two warm starts
 
-Reads a finished `bench.learning_study` result (e.g. `--size cpu-surface`, or
+Reads a finished `studies.learning.study` result (e.g. `--size cpu-surface`, or
 `--size cpu-textcraft-surface --set train_tasks=8`), or with `--runs` the runs a study still
 running has finished (each run's JSON and the warm start's; `--runs` also takes a finished study's
 JSON; `--runs`/`--warm` repeated: seeds that ran from different warm starts, each seed's runs from
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from bench.learning_stats import curve_mean, paired_differences, paired_gap
+from studies.learning.stats import curve_mean, paired_differences, paired_gap
 
 BASELINE = "gigpo"
 SAME_STEP_KEYS = ("train_success", "episode_length", "num_steps", "advantage_std")  # a step's batch, as logged
