@@ -1,4 +1,5 @@
-"""The learning study and the cost and rollout-throughput benches run at CI size (`python -m studies.learning.study --quick`, `python -m bench.<name> --quick`)
+"""The learning study and the cost and rollout-throughput benches run at CI size
+(`python -m studies.learning.study --quick`, `python -m bench.<name> --quick`)
 and write the JSON they promise."""
 
 from __future__ import annotations
