@@ -121,3 +121,9 @@ def test_the_site_builds_strict(tmp_path):
     assert "data_flow.png" in home and "bipace-trainer" in home
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     assert "BiPACEConfig" in api and "evaluate_policy" in api  # the docstrings rendered
+
+
+def test_ci_builds_the_site_in_the_tests_venv():
+    ci = (ROOT / ".ci" / "run").read_text()
+    tests_install = ci.index("readme_command '&& pytest')\"")
+    assert ci.index("mkdocs build --strict") > tests_install, "CI builds the docs after the tests' install, in its venv"

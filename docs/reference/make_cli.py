@@ -47,6 +47,7 @@ def page() -> str:
 if __name__ == "__main__":
     text = page()
     if "--check" in sys.argv:
-        sys.exit(0 if PAGE.exists() and PAGE.read_text() == text else "docs/reference/cli.md is stale: run python docs/reference/make_cli.py")
+        stale = not PAGE.exists() or PAGE.read_text() != text
+        sys.exit("docs/reference/cli.md is stale: run python docs/reference/make_cli.py" if stale else 0)
     PAGE.write_text(text)
     print(f"wrote {PAGE.relative_to(ROOT)} ({len(text.splitlines())} lines)")

@@ -69,7 +69,8 @@ import numpy as np
 import torch
 
 from bench import common
-from studies.oracle.metrics import cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement, value_error
+from studies.oracle.metrics import (cell_means, correlations, distance_separation, grouping_quality, pair_sign_agreement,
+                                    value_error)
 from studies.oracle.truth import TRUTH, TruthBatch, truth_rollouts
 from bipace_trainer.advantages import (
     PRESETS,

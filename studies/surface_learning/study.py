@@ -2,7 +2,8 @@
 
     python -m studies.surface_learning.study studies/surface_learning/results/surface_tiny/learning_study_cpu-surface.json
     python -m studies.surface_learning.study --runs outputs/learning_textcraft_surface/textcraft/runs \
-        --warm studies/surface_learning/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json   # a study still running
+        --warm studies/surface_learning/results/textcraft_surface/learning_cpu-textcraft-surface_textcraft_warm.json
+        # (a study still running)
     python -m studies.surface_learning.study --runs A/runs --warm A/warm.json --runs B/study.json --warm B/warm.json  # two warm starts
 
 Reads a finished `studies.learning.study` result (e.g. `--size cpu-surface`, or
