@@ -127,3 +127,22 @@ def test_ci_builds_the_site_in_the_tests_venv():
     ci = (ROOT / ".ci" / "run").read_text()
     tests_install = ci.index("readme_command '&& pytest')\"")
     assert ci.index("mkdocs build --strict") > tests_install, "CI builds the docs after the tests' install, in its venv"
+
+
+def test_the_own_env_tutorial_example_plays(tmp_path):
+    from envs import make_env
+
+    page = (ROOT / "docs" / "tutorials" / "own-env.md").read_text()
+    code = re.search(r"## Write one\n.*?```python\n(.*?)\n```", page, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "own-env.md", "exec"), namespace)
+    env_class = namespace["GuessEnv"]
+    assert [t.task_id for t in env_class.tasks("valid")] == [5]
+    env = make_env("guess")
+    assert isinstance(env, env_class)
+    first = env.reset(task_id=3)
+    assert not first.done and first.anchor == first.observation
+    wrong = env.step("1")
+    assert "higher" in wrong.observation and not wrong.done
+    won = env.step(env.expert_action())
+    assert won.done and won.won and won.reward == 1.0
