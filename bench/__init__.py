@@ -1,9 +1,10 @@
-"""Benchmarks and the learning study (their results: docs/RESULTS.md, README's Performance section).
+"""Product benchmarks: what the trainer's parts cost and how fast they run (results: docs/RESULTS.md,
+docs/performance.md). Research studies, which ask whether an estimator helps, live in studies/.
 
 Every script runs as a module from the repository root, so that `bipace_trainer`, `envs`
 and `bench` import as packages without path edits (`bench/envs.py` is not `envs`):
 
-    OMP_NUM_THREADS=1 python -m bench.learning_study --quick
+    OMP_NUM_THREADS=1 python -m bench.cost --quick
 """
 
 import os

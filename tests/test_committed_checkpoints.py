@@ -1,4 +1,4 @@
-"""Every model kept in the repository is kept whole: a checkpoint folder under docs/results/ or
+"""Every model kept in the repository is kept whole: a checkpoint folder under docs/results/, studies/ or
 warm_starts/ holds its weights, and git does not ignore them.
 
 A study's warm start was once committed without its `model.safetensors` (the `*.safetensors`
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KEPT = [ROOT / "docs" / "results", ROOT / "warm_starts"]
+KEPT = [ROOT / "docs" / "results", ROOT / "studies", ROOT / "warm_starts"]
 WEIGHTS = {"config.json": "model.safetensors", "adapter_config.json": "adapter_model.safetensors"}
 
 
@@ -41,7 +41,7 @@ def test_checkpoint_has_its_weights(folder, weights):
     path = folder / weights
     assert path.is_file() and path.stat().st_size > 0, (
         f"{path.relative_to(ROOT)} is missing: a kept checkpoint needs its weights committed "
-        "(`git add -f`, or a `!` rule in .gitignore as for docs/results/**/checkpoint/)")
+        "(`git add -f`, or a `!` rule in .gitignore as for studies/**/checkpoint/)")
     if shutil.which("git") and (ROOT / ".git").exists():
         ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT).returncode == 0
         tracked = subprocess.run(["git", "ls-files", "--error-unmatch", str(path)], cwd=ROOT,

@@ -1,4 +1,5 @@
-"""The learning study, cost and rollout-throughput benches run at CI size (`python -m bench.<name> --quick`)
+"""The learning study and the cost and rollout-throughput benches run at CI size
+(`python -m studies.learning.study --quick`, `python -m bench.<name> --quick`)
 and write the JSON they promise."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import learning_study
-from bench.learning_plan import SIZES, rl_config
+from studies.learning import study as learning_study
+from studies.learning.plan import SIZES, rl_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -21,8 +22,8 @@ PRESETS = {"grpo", "gigpo", "bipace_q", "gagpo", "bigagpo"}
 
 
 def run(module: str, *args) -> str:
-    """`python -m bench.<module> --quick ...` from the repository root, as the docs run it."""
-    cmd = [sys.executable, "-m", f"bench.{module}", "--quick", *map(str, args)]
+    """`python -m <module> --quick ...` from the repository root, as the docs run it."""
+    cmd = [sys.executable, "-m", module if "." in module else f"bench.{module}", "--quick", *map(str, args)]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -34,7 +35,7 @@ def is_rate(value) -> bool:
 
 @pytest.mark.slow
 def test_learning_study(tmp_path):
-    printed = run("learning_study", "--out", tmp_path, "--work-dir", tmp_path / "work")
+    printed = run("studies.learning.study", "--out", tmp_path, "--work-dir", tmp_path / "work")
     result = json.loads((tmp_path / "learning_study.json").read_text())
     assert (tmp_path / "learning_tiny.png").stat().st_size > 0
     env = result["envs"]["tiny"]
@@ -65,13 +66,13 @@ def test_learning_study(tmp_path):
         assert [(e["split"], e["step"]) for e in run_["evals"]] == [("valid", 2), ("valid", 3)]
 
     # --warm-only stops after the (here reused) warm start and writes it on its own
-    run("learning_study", "--out", tmp_path / "warm", "--work-dir", tmp_path / "work", "--resume", "--warm-only")
+    run("studies.learning.study", "--out", tmp_path / "warm", "--work-dir", tmp_path / "work", "--resume", "--warm-only")
     warm = json.loads((tmp_path / "warm" / "learning_quick_tiny_warm.json").read_text())
     assert warm["evals"] == env["warm_start"]["evals"]
     assert not (tmp_path / "warm" / "learning_study.json").exists()
 
     # --first-seed extends the study from the same warm start: seed 1 only, seed 0's runs untouched
-    run("learning_study", "--out", tmp_path / "more", "--work-dir", tmp_path / "work", "--resume", "--first-seed", "1",
+    run("studies.learning.study", "--out", tmp_path / "more", "--work-dir", tmp_path / "work", "--resume", "--first-seed", "1",
         "--presets", "grpo")
     more = json.loads((tmp_path / "more" / "learning_study.json").read_text())
     assert more["seeds"] == [1] and [(r["preset"], r["seed"]) for r in more["envs"]["tiny"]["runs"]] == [("grpo", 1)]

@@ -241,7 +241,7 @@ def test_oracle_truth_ignores_the_variation():
     """The oracle study's rollouts at level 0 and 1 (same seed): the same true states, actions
     and returns step for step, different anchors."""
     _textcraft()
-    from bench.oracle_truth import truth_rollouts
+    from studies.oracle.truth import truth_rollouts
 
     def batch(level):
         kwargs = {"surface_variation": level, "surface_seed": 0}

@@ -1,0 +1,1 @@
+"""The learning study: see its README.md."""

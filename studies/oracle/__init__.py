@@ -1,0 +1,1 @@
+"""The oracle study: see its README.md."""

@@ -1,0 +1,1 @@
+"""The surface_learning study: see its README.md."""

@@ -1,0 +1,1 @@
+"""The surface_why study: see its README.md."""
