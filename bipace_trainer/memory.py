@@ -2,7 +2,7 @@
 
     bound_cpu_memory(device)    # BiPACETrainer.__init__ calls it; does nothing off a CPU
 
-Two things made the main job's update peak at 7.7 GB resident on a 135M model, neither of
+Two things made the main job's update peak at 7,465 MiB resident on a 135M model, neither of
 them live tensors of the model's own size:
 
 - TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`) scores the log-probs in tiles of
@@ -16,7 +16,7 @@ them live tensors of the model's own size:
 - glibc's malloc serves allocations under its mmap threshold from its heap, and raises that
   threshold (up to 32 MB) each time a mapped block is freed, so after the first few steps every
   activation tensor (4–11 MB here) comes from the heap, which fragments and is not given back:
-  the update's freed activations stayed resident (4.1 GB through the final evaluation). A fixed
+  the update's freed activations stayed resident (4.5 GiB through the final evaluation). A fixed
   threshold (`return_freed_memory`) maps every block over 128 KiB on its own, and unmaps it on
   free, so the resident size follows the live tensors.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 __all__ = ["LOGPROB_TOKEN_TILE", "LOGPROB_VOCAB_TILE", "MMAP_THRESHOLD", "bound_cpu_memory",
            "bound_logprob_tiles", "return_freed_memory"]
@@ -55,7 +56,12 @@ def bound_logprob_tiles(device) -> bool:
 def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold at `MMAP_THRESHOLD`, so freed tensors leave the resident set.
 
-    Returns False where the C library is not glibc (musl, macOS): nothing is changed there."""
+    Every block over the threshold is then mapped and zeroed afresh: the update piece ran ~35%
+    longer (docs/memory.md). Returns False, changing nothing, where the C library is not glibc
+    (musl, macOS) or where the user set glibc's own `MALLOC_MMAP_THRESHOLD_` (theirs wins; set
+    it to 33554432 for glibc's dynamic behaviour's ceiling, faster and larger)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")

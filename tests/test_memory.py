@@ -87,5 +87,8 @@ def test_a_cpu_trainer_bounds_the_tiles(trl_tiles, tmp_path):
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_the_mmap_threshold_is_set_on_glibc():
+def test_the_mmap_threshold_is_set_on_glibc_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert memory.return_freed_memory() is True
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    assert memory.return_freed_memory() is False
