@@ -45,7 +45,7 @@ from datasets import Dataset
 from transformers import ProgressCallback
 from trl import GRPOTrainer
 
-from . import checkpointing, evaluation, resampling, run_dir
+from . import checkpointing, evaluation, memory, resampling, run_dir
 from .advantages import StepAdvantageEstimator, StepEstimate
 from .batching import training_batch
 from .callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
@@ -175,6 +175,7 @@ class BiPACETrainer(GRPOTrainer):
             tools=tools,
             environment_factory=environment_factory,
         )
+        memory.bound_cpu_memory(self.accelerator.device)  # log-prob tiles, freed memory: docs/memory.md
         self.estimator = StepAdvantageEstimator(args.estimator)
         needs_hidden = "hidden" in args.estimator.rollout_needs
         if needs_hidden:

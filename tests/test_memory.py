@@ -1,0 +1,94 @@
+"""The CPU memory bounds (`bipace_trainer.memory`): TRL's log-prob tiles shrink on a CPU only, give
+the same log-probs and gradients in small tiles, and every CPU trainer applies them. The memory
+they save is measured by `bench/memory.py`, not here."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import trl.kernels.chunked_logprob as kernel
+import trl.trainer.utils as trl_utils
+from trl.trainer.utils import add_fused_lm_head
+
+from bipace_trainer import BiPACETrainer, memory
+from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
+
+# TRL 1.16's own tile sizes, which the bound replaces on a CPU.
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768
+
+
+@pytest.fixture
+def trl_tiles(monkeypatch):
+    """TRL's default tiles for the test (restored after it: the bound is process-wide)."""
+    monkeypatch.setattr(kernel, "TOKEN_CHUNK_SIZE", TRL_TOKEN_TILE)
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_VOCAB_TILE)
+
+
+def _tiles() -> tuple[int, int]:
+    return kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def test_the_tiles_shrink_on_a_cpu_and_nowhere_else(trl_tiles, monkeypatch):
+    assert memory.bound_logprob_tiles(torch.device("cuda")) is False
+    assert _tiles() == (TRL_TOKEN_TILE, TRL_VOCAB_TILE)
+    assert memory.bound_logprob_tiles(torch.device("cpu")) is True
+    assert _tiles() == (memory.LOGPROB_TOKEN_TILE, memory.LOGPROB_VOCAB_TILE)
+    # 16 MB of float32 per tile, against TRL's 512 MB
+    assert memory.LOGPROB_TOKEN_TILE * memory.LOGPROB_VOCAB_TILE * 4 <= 16 * 2**20
+    monkeypatch.setattr(kernel, "TOKEN_CHUNK_SIZE", 100)  # never enlarged
+    memory.bound_logprob_tiles("cpu")
+    assert kernel.TOKEN_CHUNK_SIZE == 100
+
+
+def _fused_logps(model, input_ids, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    (out.log_probs.sum() + 0.1 * out.entropy.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.log_probs.detach(), out.entropy.detach(), grads
+
+
+def test_small_tiles_give_the_log_probs_entropies_and_gradients_of_one_tile(trl_tiles, monkeypatch):
+    tokenizer = bpe_chat_tokenizer(["craft 4 oak planks from 1 oak logs", "get 2 jungle logs"] * 20, vocab_size=300)
+    model = tiny_qwen2(tokenizer, hidden_size=32, layers=1)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, len(tokenizer), (3, 25), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :15] = -100  # the prompt's positions are not scored
+
+    one_tile = _fused_logps(model, input_ids, labels)  # 72 positions, a vocabulary of ~300: TRL's one tile
+    monkeypatch.setattr(memory, "LOGPROB_TOKEN_TILE", 7)
+    monkeypatch.setattr(memory, "LOGPROB_VOCAB_TILE", 64)
+    memory.bound_logprob_tiles("cpu")
+    assert _tiles() == (7, 64)
+    small_tiles = _fused_logps(model, input_ids, labels)  # 11 × 5 tiles
+
+    with torch.no_grad():  # and both against the plain log-softmax of the full logits
+        logits = model(input_ids=input_ids).logits[:, :-1] / 0.7
+        reference = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    scored = labels[:, 1:] != -100
+    torch.testing.assert_close(one_tile[0][scored], reference[scored], rtol=1e-5, atol=1e-5)
+    for a, b in zip(one_tile[:2], small_tiles[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert one_tile[2].keys() == small_tiles[2].keys() and one_tile[2]
+    for name in one_tile[2]:
+        torch.testing.assert_close(small_tiles[2][name], one_tile[2][name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_cpu_trainer_bounds_the_tiles(trl_tiles, tmp_path):
+    from tests.trainer.tiny_setup import make_model, make_tokenizer, tiny_args
+
+    tokenizer = make_tokenizer()
+    BiPACETrainer(model=make_model(tokenizer), args=tiny_args(tmp_path), processing_class=tokenizer)
+    assert _tiles() == (memory.LOGPROB_TOKEN_TILE, memory.LOGPROB_VOCAB_TILE)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_the_mmap_threshold_is_set_on_glibc_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert memory.return_freed_memory() is True
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    assert memory.return_freed_memory() is False
