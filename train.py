@@ -43,16 +43,16 @@ from accelerate import PartialState  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
-from bipace_trainer import run_dir  # noqa: E402
-from bipace_trainer.checkpointing import CheckpointWriteError  # noqa: E402
+from bipace_trainer.run import run_dir  # noqa: E402
+from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
 from bipace_trainer.config import FIELD_GROUPS, printing_only  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
-from bipace_trainer.report import write_report  # noqa: E402
-from bipace_trainer.run_summary import (  # noqa: E402
+from bipace_trainer.reports.report import write_report  # noqa: E402
+from bipace_trainer.reports.run_summary import (  # noqa: E402
     CURVE_FILE, evaluation_summary, format_evaluation, learning_curve, plot_learning_curve,
 )
-from bipace_trainer.warm_start import WarmStartArguments, apply_warm_start, check_warm_start  # noqa: E402
+from bipace_trainer.run.warm_start import WarmStartArguments, apply_warm_start, check_warm_start  # noqa: E402
 
 # The main job's warm start: a LoRA adapter that `python -m bench.warm_start_adapter` rebuilds bit for bit
 # from the embedded model (`--warm_start_steps N` rebuilds one in the run instead).
@@ -314,7 +314,7 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
 
 def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
     """`<output_dir>/trainer_state.json` (the log the report reads) and `<output_dir>/report.html`
-    (`bipace_trainer.report`), by the main process; None elsewhere or if the page fails (the run is done)."""
+    (`bipace_trainer.reports.report`), by the main process; None elsewhere or if the page fails (the run is done)."""
     if not trainer.accelerator.is_main_process:
         return None
     try:

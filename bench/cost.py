@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
-from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer, resolve_model_name
 from envs.base import resolve_env_class
 

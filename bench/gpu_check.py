@@ -67,7 +67,7 @@ def supported_modes() -> tuple[list[str], str | None]:
 
 
 def make_tokenizer():
-    from bipace_trainer.demonstrations import collect_demonstrations
+    from bipace_trainer.run.demonstrations import collect_demonstrations
     from bipace_trainer.models import bpe_chat_tokenizer
 
     rows = collect_demonstrations("tiny", range(16), env_kwargs={"size": 4}, expert_prob=0.5, max_turns=4,

@@ -8,7 +8,7 @@ This script plays each held-out goal `--rollouts` times (default 6: seeds 123, 4
 twice each) with each adapter given (the shipped warm start, a main job's output dir: anything
 `bipace-eval` takes), with the main job's settings (`train.parse_args([])`: env, goal filter,
 turn budget, history, reply length, evaluation temperature), through `bipace-eval`
-(`bipace_trainer.evaluate`, which plays through the trainer's own `evaluate_policy`). It prints
+(`bipace_trainer.cli.evaluate`, which plays through the trainer's own `evaluate_policy`). It prints
 each success rate with its 95% Wilson interval and, for two adapters, their paired difference
 on the same goals and seeds; results and episodes land in `--output_dir` (rerun to resume).
 About 7 minutes per adapter and 6 rollouts on one thread of a 2-core machine. Flags it does not
@@ -27,8 +27,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
 
-from bipace_trainer import evaluate  # noqa: E402
-from bipace_trainer.evaluate import PROTOCOLS  # noqa: E402
+from bipace_trainer.cli import evaluate  # noqa: E402
+from bipace_trainer.cli.evaluate import PROTOCOLS  # noqa: E402
 from train import parse_args  # noqa: E402
 
 

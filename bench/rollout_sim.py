@@ -6,7 +6,7 @@
     rollout = run_rollouts(envs, tasks, engine, settings, clock=clock, env_runner=SimEnvRunner(clock))
 
 Nothing here schedules: the lockstep and continuous loops that play the episodes are
-`bipace_trainer.rollout`'s own, with the real `TextEnvAdapter` (prompts, reply parsing,
+`bipace_trainer.rollout.loop`'s own, with the real `TextEnvAdapter` (prompts, reply parsing,
 history). Only the costs are modelled, on a virtual clock that generate calls and env
 steps advance, so a 512-episode rollout with 2,000-token replies plays in seconds and
 gives the same figures on every machine.
@@ -32,7 +32,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from bipace_trainer.rollout import Generation
+from bipace_trainer.rollout.loop import Generation
 from envs.base import StepResult
 
 

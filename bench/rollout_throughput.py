@@ -69,9 +69,9 @@ from transformers import AutoModelForCausalLM
 
 from bench import common
 from bipace_trainer import BiPACEConfig, BiPACETrainer
-from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer
-from bipace_trainer.rollout import RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from bipace_trainer.rollout.loop import RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from envs.base import resolve_env_class
 from envs.vector import VectorEnv
 

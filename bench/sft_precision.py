@@ -20,7 +20,7 @@ import torch
 from datasets import Dataset
 
 from bench import common
-from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.run.demonstrations import collect_demonstrations
 from envs.base import resolve_env_class
 
 

@@ -6,7 +6,7 @@
 `python train.py` loads `warm_starts/smollm2-135m-textcraft` (MAIN_JOB_DEFAULTS'
 `warm_start_from`) instead of training it, which would take most of its 10 minutes.
 This script runs the very code `python train.py --warm_start_steps N` runs
-(`bipace_trainer.warm_start`: the main job's env, splits, history, turn budget and LoRA
+(`bipace_trainer.run.warm_start`: the main job's env, splits, history, turn budget and LoRA
 settings, the expert's play on the training goals, TRL's SFTTrainer) with the settings
 in WARM_START below, on one thread and with PYTHONHASHSEED=0: a CPU run is deterministic for
 a fixed thread count, so the adapter's tensors come out identical (`--check` compares their SHA-256). It writes
@@ -40,7 +40,7 @@ from trl import get_peft_config  # noqa: E402
 
 from bench.common import machine  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
-from bipace_trainer.warm_start import demonstration_rows, train_warm_start, WARM_START_DIR  # noqa: E402
+from bipace_trainer.run.warm_start import demonstration_rows, train_warm_start, WARM_START_DIR  # noqa: E402
 from train import MAIN_JOB_DEFAULTS, SHIPPED_WARM_START, parse_args  # noqa: E402
 
 # The flags of `python train.py --warm_start_steps N ...` that rebuild the shipped adapter.

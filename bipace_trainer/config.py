@@ -18,7 +18,7 @@ from envs.surface import split_surface_kwargs
 from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
-from .rollout import ROLLOUT_MODES
+from .rollout.loop import ROLLOUT_MODES
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "printing_only"]
 
@@ -222,7 +222,7 @@ class BiPACEConfig(GRPOConfig):
     rollout_dump_steps (`int`, 0): every this-many optimizer steps, write that step's
         episodes to `<output_dir>/rollouts/step-000010.jsonl` (one line per episode, turns in
         order), and every evaluation's to `rollouts/eval-<tag>-step-….jsonl`; 0: never.
-        Read them with `python -m bipace_trainer.show`. TRL's `log_completions` fills its
+        Read them with `python -m bipace_trainer.reports.show`. TRL's `log_completions` fills its
         completions table with one row per env step.
     """
 

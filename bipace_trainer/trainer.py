@@ -45,22 +45,25 @@ from datasets import Dataset
 from transformers import ProgressCallback
 from trl import GRPOTrainer
 
-from . import checkpointing, evaluation, memory, resampling, run_dir
+from .run import checkpointing, evaluation, resampling, run_dir
+from . import memory
 from .advantages import StepAdvantageEstimator, StepEstimate
-from .batching import training_batch
-from .callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
-from .checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
-from .collector import SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, task_dataset  # noqa: F401
+from .rollout.batching import training_batch
+from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
+from .run.checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
+from .rollout.collector import (  # noqa: F401
+    SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, task_dataset,
+)
 from .config import BiPACEConfig
-from .evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
-from .hidden import clamp_layer
+from .run.evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
+from .rollout.hidden import clamp_layer
 from .micro_batches import piece_weights, split_rows
-from .model_card import model_card
+from .reports.model_card import model_card
 from .trl_metrics import loss_metric_names, summarise_episodes, trl_metrics
 from .models import load_tokenizer, resolve_model_name
-from .prompting import fit_prompt_ids
-from .rollout import Rollout, TaskRef
-from .tool_envs import check_environment_factory
+from .rollout.prompting import fit_prompt_ids
+from .rollout.loop import Rollout, TaskRef
+from .rollout.tool_envs import check_environment_factory
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
 

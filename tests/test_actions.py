@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bipace_trainer.actions import (
+from bipace_trainer.rollout.actions import (
     DEFAULT_MAX_ACTION_CHARS,
     normalize_action_key,
     parse_reply,

@@ -54,7 +54,7 @@ def program(words: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
         if word == "train.py":
             return ("train.py",), words[i + 1:]
         if word in ("bipace-eval", "bipace-report"):
-            module = {"bipace-eval": "bipace_trainer.evaluate", "bipace-report": "bipace_trainer.report"}[word]
+            module = {"bipace-eval": "bipace_trainer.cli.evaluate", "bipace-report": "bipace_trainer.reports.report"}[word]
             return ("-m", module), words[i + 1:]
         if word == "-m" and i + 1 < len(words) and re.match(r"(bench|studies|bipace_trainer|envs)\.", words[i + 1]):
             return ("-m", words[i + 1]), words[i + 2:]

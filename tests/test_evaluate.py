@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bipace_trainer import evaluate
-from bipace_trainer.run_summary import wilson_interval
+from bipace_trainer.cli import evaluate
+from bipace_trainer.reports.run_summary import wilson_interval
 
 
 def test_each_env_gets_the_papers_protocol_and_flags_override_it():

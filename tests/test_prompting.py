@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bipace_trainer.actions import parse_reply
-from bipace_trainer.prompting import (
+from bipace_trainer.rollout.actions import parse_reply
+from bipace_trainer.rollout.prompting import (
     DEFAULT_MAX_ADMISSIBLE_ACTIONS,
     action_for_env,
     build_messages,

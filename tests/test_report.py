@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from bipace_trainer import report
+from bipace_trainer.reports import report
 
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>\x00\x1b[31m\u2028end'
 

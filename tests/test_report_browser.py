@@ -19,7 +19,7 @@ import pytest
 from peft import LoraConfig
 
 from bipace_trainer import BiPACETrainer
-from bipace_trainer.report import write_report
+from bipace_trainer.reports.report import write_report
 
 from .trainer.tiny_setup import LORA, tiny_args
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from bipace_trainer.rollout import Generation, RolloutSettings, TaskRef, run_rollouts
+from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
 from envs.vector import VectorEnv
 
 

@@ -13,7 +13,7 @@ import pytest
 from bench.rollout_sim import EnvModel, LatencyModel, SimClock, SimEngine, SimEnvRunner, SimEnvs
 from bipace_trainer import BiPACEConfig
 from bipace_trainer.config import FIELD_GROUPS
-from bipace_trainer.rollout import (
+from bipace_trainer.rollout.loop import (
     Generation,
     InlineEnvRunner,
     PromptCounter,
@@ -186,7 +186,7 @@ def test_rollout_mode_is_checked_and_grouped(tmp_path):
 def test_continuous_is_refused_where_every_rank_must_run_each_forward_together():
     from types import SimpleNamespace
 
-    from bipace_trainer.collector import RolloutCollector
+    from bipace_trainer.rollout.collector import RolloutCollector
 
     def trainer(zero_stage, mode, fsdp=False):
         args = SimpleNamespace(max_turns=2, history_length=1, rollout_batch_size=0, require_think=False,
@@ -210,7 +210,7 @@ def test_trls_tool_envs_play_the_same_chats_in_both_modes():
 
     from trl.chat_template_utils import add_response_schema
 
-    from bipace_trainer.tool_envs import ToolEnvAdapter, ToolSession
+    from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
     from tests.test_tool_envs import call, fake_trainer, rows, scripted
     from tests.trainer.tool_setup import Lamps, make_tokenizer
 

@@ -16,8 +16,8 @@ import types
 import pytest
 from trl.chat_template_utils import add_response_schema
 
-from bipace_trainer.rollout import Generation, RolloutSettings, TaskRef, run_rollouts
-from bipace_trainer.tool_envs import ToolEnvAdapter, ToolSession, tool_methods
+from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
+from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession, tool_methods
 from envs import as_trl_environment
 from envs.vector import VectorEnv
 

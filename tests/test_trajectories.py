@@ -10,9 +10,10 @@ from collections import defaultdict, deque
 
 import pytest
 
-from bipace_trainer import show, trajectories
+from bipace_trainer.reports import show
+from bipace_trainer.rollout import trajectories
 from bipace_trainer.advantages import estimate_advantages, resolve_settings
-from bipace_trainer.rollout import Episode, Rollout, StepRecord
+from bipace_trainer.rollout.loop import Episode, Rollout, StepRecord
 
 
 def _step(traj, t, obs, action, reward, valid=True):
@@ -147,7 +148,7 @@ def test_show_one_episode_and_summary_lines(tmp_path):
 
 def test_show_command_line(tmp_path):
     path = _dump(tmp_path)
-    command = [sys.executable, "-m", "bipace_trainer.show", str(path), "--episode"]
+    command = [sys.executable, "-m", "bipace_trainer.reports.show", str(path), "--episode"]
     done = subprocess.run([*command, "0"], capture_output=True, text=True)
     assert done.returncode == 0 and "episode 0 | task 7 open the door | won" in done.stdout
     done = subprocess.run([*command, "9"], capture_output=True, text=True)

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from bipace_trainer import show, trajectories
+from bipace_trainer.reports import show
+from bipace_trainer.rollout import trajectories
 from bipace_trainer.advantages import estimate_advantages, resolve_settings
 
 from .test_trajectories import make_rollout

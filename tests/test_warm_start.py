@@ -1,4 +1,4 @@
-"""The warm start (bipace_trainer/warm_start.py) and the run summary (bipace_trainer/run_summary.py):
+"""The warm start (bipace_trainer/run/warm_start.py) and the run summary (bipace_trainer/reports/run_summary.py):
 hand-computed intervals, demonstrations built as the rollout builds prompts, clear errors,
 and the main job's path on the tiny setup: warm start -> RL whose batches carry signal -> eval."""
 
@@ -16,9 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from bipace_trainer.prompting import build_messages  # noqa: E402
-from bipace_trainer.run_summary import evaluation_summary, format_evaluation, learning_curve, wilson_interval  # noqa: E402
-from bipace_trainer.warm_start import (  # noqa: E402
+from bipace_trainer.rollout.prompting import build_messages  # noqa: E402
+from bipace_trainer.reports.run_summary import (  # noqa: E402
+    evaluation_summary, format_evaluation, learning_curve, wilson_interval,
+)
+from bipace_trainer.run.warm_start import (  # noqa: E402
     WarmStartArguments,
     apply_warm_start,
     demonstration_rows,

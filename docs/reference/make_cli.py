@@ -17,9 +17,9 @@ PAGE = ROOT / "docs" / "reference" / "cli.md"
 # (title, how users type it, the argv that prints its help from the repository root)
 PROGRAMS = [
     ("train.py", "python train.py", ["train.py"]),
-    ("bipace-eval", "bipace-eval", ["-m", "bipace_trainer.evaluate"]),
-    ("bipace-report", "bipace-report", ["-m", "bipace_trainer.report"]),
-    ("show", "python -m bipace_trainer.show", ["-m", "bipace_trainer.show"]),
+    ("bipace-eval", "bipace-eval", ["-m", "bipace_trainer.cli.evaluate"]),
+    ("bipace-report", "bipace-report", ["-m", "bipace_trainer.reports.report"]),
+    ("show", "python -m bipace_trainer.reports.show", ["-m", "bipace_trainer.reports.show"]),
     ("OpenEnv server", "python -m envs.openenv_server", ["-m", "envs.openenv_server"]),
 ]
 

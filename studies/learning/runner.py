@@ -23,7 +23,7 @@ from bench import common
 from studies.learning.plan import rl_config
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator, resolve_settings
-from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer, resolve_model_name
 from envs.base import resolve_env_class
 

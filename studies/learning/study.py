@@ -11,7 +11,7 @@
 
 Per env:
 1. Warm start. SFT (TRL's SFTTrainer) of a small policy on expert and perturbed-expert
-   trajectories of the train split (`bipace_trainer.demonstrations`), built with the RL
+   trajectories of the train split (`bipace_trainer.run.demonstrations`), built with the RL
    prompts' history window, so that rollouts succeed sometimes, as an instruct model's
    do. Evaluated once on the held-out splits: every run starts from these numbers.
 2. RL from that checkpoint with every preset, the same budget, `--seeds` seeds each.

@@ -84,8 +84,8 @@ from bipace_trainer.advantages import (
     hidden_partition,
     resolve_settings,
 )
-from bipace_trainer.hidden import PositionCapture, num_hidden_layers, resolve_layer_module
-from bipace_trainer.prompting import fit_prompt_ids
+from bipace_trainer.rollout.hidden import PositionCapture, num_hidden_layers, resolve_layer_module
+from bipace_trainer.rollout.prompting import fit_prompt_ids
 from envs.base import resolve_env_class, stratified_subset
 from envs.surface import check_level
 

@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from bipace_trainer.demonstrations import format_reply
-from bipace_trainer.rollout import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
+from bipace_trainer.run.demonstrations import format_reply
+from bipace_trainer.rollout.loop import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
 from envs.base import StepResult, build_env, resolve_env_class
 from envs.surface import SurfaceVariation, unwrap
 

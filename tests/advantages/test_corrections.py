@@ -25,7 +25,7 @@ from bipace_trainer.advantages import (
     step_returns,
 )
 from bipace_trainer.advantages.baselines import grouped_gae
-from bipace_trainer.rollout import Episode, Rollout
+from bipace_trainer.rollout.loop import Episode, Rollout
 
 
 def two_copies(reward_last: float, second_valid: bool) -> StepBatch:

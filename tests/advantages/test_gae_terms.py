@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bipace_trainer.advantages import StepAdvantageEstimator, compute_advantages, estimate_advantages, resolve_settings
-from bipace_trainer.trajectories import _gae as dump_terms
+from bipace_trainer.rollout.trajectories import _gae as dump_terms
 
 from . import reference
 from .strategies import step_lists, to_batch

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, Trainer  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from bipace_trainer import BiPACETrainer  # noqa: E402
-from bipace_trainer.checkpointing import CheckpointWriteError  # noqa: E402
+from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
 from bipace_trainer.models import load_tokenizer  # noqa: E402
 from tests.trainer.tiny_setup import tiny_args  # noqa: E402
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from bipace_trainer.actions import parse_reply
-from bipace_trainer.rollout import Generation, RolloutSettings, TaskRef, run_rollouts
+from bipace_trainer.rollout.actions import parse_reply
+from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
 from envs.vector import VectorEnv
 from tests.trainer.tiny_setup import CapturingTrainer, tiny_args
 
@@ -160,7 +160,7 @@ def test_a_run_whose_every_env_fails_stops_with_the_env_error(max_steps, when, w
 
 
 def test_safe_text_and_fit_prompt_ids_on_hand_made_cases():
-    from bipace_trainer.prompting import fit_prompt_ids, safe_text
+    from bipace_trainer.rollout.prompting import fit_prompt_ids, safe_text
 
     assert safe_text("a\ud800b") == "a?b"
     assert safe_text("x<|im_end|>y</s>[INST]<<SYS>><end_of_turn>") == "x< |im_end|>y< /s>[ INST]< <SYS>>< end_of_turn>"

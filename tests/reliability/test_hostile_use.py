@@ -21,11 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from bipace_trainer import BiPACEConfig, run_dir, show, trajectories  # noqa: E402
-from bipace_trainer.checkpointing import STATE_FILE, _out_of_space  # noqa: E402
-from bipace_trainer.model_card import CARD_MARKER, keep_foreign_readme, table_cell  # noqa: E402
-from bipace_trainer.resampling import resample_until_signal  # noqa: E402
-from bipace_trainer.warm_start import (  # noqa: E402
+from bipace_trainer import BiPACEConfig
+from bipace_trainer.run import run_dir
+from bipace_trainer.reports import show
+from bipace_trainer.rollout import trajectories
+from bipace_trainer.run.checkpointing import STATE_FILE, _out_of_space  # noqa: E402
+from bipace_trainer.reports.model_card import CARD_MARKER, keep_foreign_readme, table_cell  # noqa: E402
+from bipace_trainer.run.resampling import resample_until_signal  # noqa: E402
+from bipace_trainer.run.warm_start import (  # noqa: E402
     WARM_START_INFO,
     base_fingerprint,
     check_warm_start,
@@ -51,7 +54,7 @@ def test_resampling_logs_each_attempt_before_it_plays(caplog):
         logged_at_play.append(sum("attempt" in r.getMessage() for r in caplog.records))
         return _Batch(False)
 
-    with caplog.at_level(logging.WARNING, logger="bipace_trainer.resampling"):
+    with caplog.at_level(logging.WARNING, logger="bipace_trainer.run.resampling"):
         outcome = resample_until_signal(_Batch(False), replay, max_attempts=3, max_seconds=0,
                                         stop_requested=lambda: False, step=5)  # fmt: skip
     assert outcome.attempts == 3 and outcome.reason == "attempts" and len(outcome.played) == 4
@@ -305,7 +308,7 @@ def test_show_streams_a_large_dump(tmp_path):
 def test_show_piped_into_head_ends_quietly(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(_episode(episode=k)) + "\n" for k in range(3000)))
-    done = subprocess.run(f"{sys.executable} -m bipace_trainer.show {path} --summary | head -1", shell=True,
+    done = subprocess.run(f"{sys.executable} -m bipace_trainer.reports.show {path} --summary | head -1", shell=True,
                           capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert done.stdout.startswith("episode 0 | task 3 reach the goal | won") and done.stderr == "", done.stderr
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bipace_trainer import evaluate
-from bipace_trainer.show import load_episodes
+from bipace_trainer.cli import evaluate
+from bipace_trainer.reports.show import load_episodes
 
 from .test_distributed import ROOT, cpu_config
 from .tiny_setup import make_model, make_tokenizer
@@ -106,7 +106,7 @@ def test_two_processes_play_a_slice_each_and_gather(warm_policy_dir, tmp_path):
     config = cpu_config("ddp", tmp_path / "accelerate.yaml")
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "bipace_trainer.evaluate",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "bipace_trainer.cli.evaluate",
            str(warm_policy_dir), *FLAGS, "--output_dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from bipace_trainer.hidden import PrefillCapture, forward_hidden_states, resolve_layer_module
+from bipace_trainer.rollout.hidden import PrefillCapture, forward_hidden_states, resolve_layer_module
 from trl.trainer.utils import pad
 
 from .tiny_setup import make_model, make_tokenizer

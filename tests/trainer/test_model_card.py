@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bipace_trainer.model_card import PAPERS, project_url, tracker_links
+from bipace_trainer.reports.model_card import PAPERS, project_url, tracker_links
 
 from .test_checkpoints import RecordingHubApi
 from .test_recipe_run import shrunk_recipe

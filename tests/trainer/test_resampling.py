@@ -61,7 +61,7 @@ def test_without_resampling_the_batch_is_skipped_at_once(warm_policy, tmp_path):
 def test_redrawn_tasks_come_from_the_training_set_one_per_group_and_repeat_on_resume(warm_policy, tmp_path):
     model, tokenizer = warm_policy
     trainer = CapturingTrainer(model, args=tiny_args(tmp_path, resample_without_signal=1), processing_class=tokenizer)
-    from bipace_trainer.rollout import TaskRef
+    from bipace_trainer.rollout.loop import TaskRef
 
     tasks = [TaskRef(0, group=g) for g in (0, 0, 0, 1, 1, 1)]
     training_ids = set(trainer.train_dataset["task_id"])

@@ -12,7 +12,7 @@ import pytest
 from peft import LoraConfig
 
 from bipace_trainer import BiPACETrainer
-from bipace_trainer.trajectories import GAE_FIELDS
+from bipace_trainer.rollout.trajectories import GAE_FIELDS
 
 from .tiny_setup import LORA, tiny_args
 
@@ -105,7 +105,7 @@ def test_a_failing_dump_never_stops_training(warm_policy, tmp_path, caplog):
     (run / "rollouts").write_text("a file where the dump folder should be")
     args = tiny_args(run, preset="gigpo", rollout_dump_steps=1, max_steps=2, evaluate_before_training=False)
     trainer = BiPACETrainer(model, args=args, processing_class=tokenizer, peft_config=LoraConfig(**LORA))
-    with caplog.at_level(logging.WARNING, logger="bipace_trainer.trajectories"):
+    with caplog.at_level(logging.WARNING, logger="bipace_trainer.rollout.trajectories"):
         trainer.train()
     trainer.close_envs()
     assert trainer.state.global_step == 2 and trainer.eval_history[-1]["tag"] == "final"

@@ -17,7 +17,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM, TrainerCallback
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
-from bipace_trainer.demonstrations import collect_demonstrations
+from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from envs.tiny import TinyEnv
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bipace_trainer import show
+from bipace_trainer.reports import show
 from bipace_trainer.models import load_tokenizer
 from envs import as_trl_environment, trl_task_dataset
 from tests.trainer.test_distributed import cpu_config

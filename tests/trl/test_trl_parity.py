@@ -21,9 +21,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator
-from bipace_trainer.hidden import clamp_layer
+from bipace_trainer.rollout.hidden import clamp_layer
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
-from bipace_trainer.tool_envs import check_environment_factory
+from bipace_trainer.rollout.tool_envs import check_environment_factory
 from bipace_trainer.trl_metrics import EpisodeSummary, trl_metrics
 from tests.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
 from tests.trainer.tool_setup import Lamps
@@ -144,11 +144,11 @@ class SilentLamps(Lamps):
 
 
 def test_tools_that_return_nothing_key_the_state_on_the_history_and_warn_once(tokenizer, caplog, monkeypatch):  # noqa: F811
-    import bipace_trainer.tool_envs as tool_envs
+    import bipace_trainer.rollout.tool_envs as tool_envs
 
     monkeypatch.setattr(tool_envs, "_warned_stateless", set())  # as in a fresh process
     scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_b"), call("flip_a"), "Done."], [call("flip_a"), "Done."]]
-    with caplog.at_level(logging.WARNING, logger="bipace_trainer.tool_envs"):
+    with caplog.at_level(logging.WARNING, logger="bipace_trainer.rollout.tool_envs"):
         rollout, _ = play(tokenizer, SilentLamps, scripts)
         play(tokenizer, SilentLamps, scripts)
     anchors = {}

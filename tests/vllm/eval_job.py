@@ -5,7 +5,7 @@ tests/vllm/vllm_job.py saved:
 
     PYTHONPATH=. $(bash tests/vllm/make_venv.sh) tests/vllm/eval_job.py --out result.json -- MODEL [MODEL] FLAGS
 
-Runs `bipace_trainer.evaluate.main` three times in this process with the same flags: the
+Runs `bipace_trainer.cli.evaluate.main` three times in this process with the same flags: the
 second is a rerun that must replay nothing; before the third, the last chunk's line is cut
 from every model's episodes file (an evaluation killed during its last chunk), which the
 third must replay in a fresh engine, as the first played it. Counts, around each run, the vLLM engines
@@ -32,7 +32,7 @@ def main() -> None:
     import transformers
     import vllm
 
-    from bipace_trainer import evaluate
+    from bipace_trainer.cli import evaluate
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-from bipace_trainer.vllm_backend import WeightSyncs  # noqa: E402
+from bipace_trainer.rollout.vllm_backend import WeightSyncs  # noqa: E402
 from tests.trainer.dist_job import RankSkewEnv  # noqa: E402,F401  (the env, by dotted path below)
 from tests.trainer.tiny_setup import CapturingTrainer, make_model, make_tokenizer, tiny_args  # noqa: E402
 

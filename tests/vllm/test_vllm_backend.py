@@ -1,4 +1,4 @@
-"""What the multi-turn rollout adds to TRL's vLLM path (bipace_trainer/vllm_backend.py),
+"""What the multi-turn rollout adds to TRL's vLLM path (bipace_trainer/rollout/vllm_backend.py),
 without the engine: the importance-sampling ratio against hand-computed values, server
 mode on 2 processes through TRL's own gather/slice code, and one weight push per
 training step through TRL's own colocate sleep-mode code. The real engine runs in
@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bipace_trainer.vllm_backend import (
+from bipace_trainer.rollout.vllm_backend import (
     IS_MODES,
     WeightSyncs,
     equal_prompt_counts,

@@ -28,8 +28,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import pad
 
-    from bipace_trainer.hidden import forward_hidden_states
-    from bipace_trainer.vllm_backend import engine_logprobs
+    from bipace_trainer.rollout.hidden import forward_hidden_states
+    from bipace_trainer.rollout.vllm_backend import engine_logprobs
     from tests.trainer.tiny_setup import LORA, CapturingTrainer, lora_state, make_model, make_tokenizer, tiny_args, warm_start
 
     parser = argparse.ArgumentParser()

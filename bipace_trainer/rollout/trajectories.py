@@ -15,7 +15,7 @@ the `gae` baseline (GAGPO) also `gae`, the terms of the step's advantage (`GAE_F
 centred penalty, and the task group's μ and σ that normalise it.
 Evaluation rollouts are not trained on: their rows have R_t but no advantage, cell or branch.
 
-An episode record (one JSONL line, `python -m bipace_trainer.show` renders it) holds
+An episode record (one JSONL line, `python -m bipace_trainer.reports.show` renders it) holds
 the episode's outcome and its turns in order. Cells and task groups are numbered per
 rank; `rank` says which.
 """
@@ -30,10 +30,10 @@ from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .advantages import BatchLayout, StepEstimate, step_returns
-from .advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, GaeTerms
+from ..advantages import BatchLayout, StepEstimate, step_returns
+from ..advantages.baselines import BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, GaeTerms
 from .prompting import safe_text
-from .rollout import Rollout
+from .loop import Rollout
 
 __all__ = [
     "PROMPT_TAIL_TOKENS",

@@ -3,7 +3,7 @@
     bipace-eval Qwen/Qwen2.5-1.5B-Instruct --env alfworld                    # a Hub id
     bipace-eval outputs/my-run --env textcraft --split valid                 # a run's output dir / adapter / checkpoint
     bipace-eval warm_starts/smollm2-135m-textcraft outputs/my-run --env textcraft   # two models: paired difference
-    accelerate launch --num_processes 4 -m bipace_trainer.evaluate MODEL --env webshop --use_vllm
+    accelerate launch --num_processes 4 -m bipace_trainer.cli.evaluate MODEL --env webshop --use_vllm
 
 Protocol (`PROTOCOLS`, each value overridable by its flag): the papers validate at temperature
 0.4 with seeds 123, 456 and 789 (SPEC §6); ALFWorld on `valid_seen` and `valid_unseen` (the
@@ -131,7 +131,7 @@ def resolve_model(spec: str, base_model: str | None = None) -> ResolvedModel:
     An adapter's base is `base_model`, else its `adapter_config.json`'s `base_model_name_or_path`;
     a base recorded as the converted embedded model on another machine is the embedded model here.
     """
-    from .models import embedded_model_path
+    from ..models import embedded_model_path
 
     path = Path(spec)
     if not path.is_dir():
@@ -163,7 +163,7 @@ def load_policy(resolved: ResolvedModel, trust_remote_code: bool = False, dtype:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .models import load_tokenizer, resolve_model_name
+    from ..models import load_tokenizer, resolve_model_name
 
     base = resolve_model_name(resolved.model)
     tokenizer_source = resolved.adapter if Path(resolved.adapter, "tokenizer_config.json").is_file() else base
@@ -194,7 +194,7 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
     """The `BiPACEConfig` of an evaluation-only trainer: the protocol's settings, one dump per chunk."""
     from accelerate import PartialState
 
-    from .config import BiPACEConfig
+    from ..config import BiPACEConfig
 
     values = dict(
         output_dir=str(output_dir), env_name=settings.env, env_kwargs=settings.env_kwargs, max_turns=settings.max_turns,
@@ -252,7 +252,7 @@ class _PanelTrainer:
 
 
 def _build_trainer(resolved: ResolvedModel, config):
-    from .trainer import BiPACETrainer
+    from ..trainer import BiPACETrainer
 
     trainer_class = type("PanelTrainer", (_PanelTrainer, BiPACETrainer), {})
     model, tokenizer = load_policy(resolved, config.trust_remote_code, config.model_init_kwargs["dtype"])
@@ -307,8 +307,8 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
 
     from envs.base import resolve_env_class, stratified_subset
 
-    from .rollout import TaskRef
-    from .trajectories import dump_path
+    from ..rollout.loop import TaskRef
+    from ..rollout.trajectories import dump_path
 
     folder = Path(settings.output_dir) / label
     episodes_file = folder / EPISODES_FILE
@@ -357,7 +357,7 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
 
 
 def _read_dump(path: Path) -> list[dict[str, Any]]:
-    from .show import load_episodes
+    from ..reports.show import load_episodes
 
     return load_episodes(path)
 
@@ -383,7 +383,7 @@ def match_records(records: Sequence[dict[str, Any]], chunk: Sequence[tuple[Any, 
 
 
 def wilson(successes: int, n: int) -> list[float] | None:
-    from .run_summary import wilson_interval
+    from ..reports.run_summary import wilson_interval
 
     return list(wilson_interval(successes, n)) if n else None
 

@@ -1,7 +1,7 @@
 """One self-contained HTML page per run: learning curves, evaluations, and every dumped step with its credit.
 
     bipace-report outputs/my-run                      # writes outputs/my-run/report.html
-    python -m bipace_trainer.report outputs/my-run -o /tmp/page.html --env textcraft
+    python -m bipace_trainer.reports.report outputs/my-run -o /tmp/page.html --env textcraft
 
 What the page reads from the run's output directory (nothing else, no network):
 - `trainer_state.json` (the directory's, else its newest `checkpoint-*/`): TRL's `log_history`,

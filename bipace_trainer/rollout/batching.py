@@ -21,7 +21,7 @@ import torch
 from trl.trainer.utils import pad
 
 from .hidden import PositionCapture
-from .rollout import Rollout
+from .loop import Rollout
 from .vllm_backend import importance_sampling_metrics, importance_sampling_ratio
 
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
-from .rollout import Episode
+from ..rollout.loop import Episode
 
 if TYPE_CHECKING:
-    from .trainer import BiPACETrainer
+    from ..trainer import BiPACETrainer
 
 __all__ = [
     "EVAL_FILE",

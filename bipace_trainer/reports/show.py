@@ -1,8 +1,8 @@
 """Render a rollout dump in the terminal, episode by episode.
 
-    python -m bipace_trainer.show outputs/run/rollouts/step-000010.jsonl
-    python -m bipace_trainer.show outputs/run/rollouts/step-000010.jsonl --episode 3
-    python -m bipace_trainer.show outputs/run/rollouts/step-000010.jsonl --summary
+    python -m bipace_trainer.reports.show outputs/run/rollouts/step-000010.jsonl
+    python -m bipace_trainer.reports.show outputs/run/rollouts/step-000010.jsonl --episode 3
+    python -m bipace_trainer.reports.show outputs/run/rollouts/step-000010.jsonl --summary
 
 Each episode starts with a one-line summary (episode id, task, won or not, turns,
 invalid replies, env reward), then every turn: the observation the env showed, the
@@ -11,7 +11,7 @@ advantage, green when positive and red when negative, with the cell (cluster id)
 PACE branch that produced it, under HGPO each context level's advantage (`*`: used), and
 under GAGPO the GAE terms of the advantage (V̄, next V̄, δ, their discounted sum, the
 centred penalty, and the group's mean and std that normalise it).
-Files come from `--rollout_dump_steps` (`bipace_trainer.trajectories`).
+Files come from `--rollout_dump_steps` (`bipace_trainer.rollout.trajectories`).
 
 The file is read line by line (a dump of any size takes one episode's memory). A line
 that is not an episode record (not a JSON object, or a field of the wrong type) is
@@ -231,7 +231,7 @@ def _gae_line(gae: dict[str, Any], style: _Style) -> str:
 
 
 def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bipace_trainer.show", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bipace_trainer.reports.show", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a rollout dump: <output_dir>/rollouts/step-000010.jsonl")
     parser.add_argument("--episode", type=int, help="render only this episode id")
     parser.add_argument("--summary", action="store_true", help="one line per episode, no turns")

@@ -38,7 +38,7 @@ from envs.vector import VectorEnv
 
 from . import trajectories
 from .hidden import PrefillCapture, forward_hidden_states
-from .rollout import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .tool_envs import ToolEnvAdapter, ToolSession
 from .vllm_backend import WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
 

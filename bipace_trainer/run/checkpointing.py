@@ -35,7 +35,7 @@ from trl.trainer.utils import RepeatSampler
 from . import run_dir as run_files
 
 if TYPE_CHECKING:
-    from .trainer import BiPACETrainer
+    from ..trainer import BiPACETrainer
 
 __all__ = [
     "STATE_FILE",

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from envs.base import TextEnv, make_env
 
-from .prompting import build_messages
+from ..rollout.prompting import build_messages
 
 __all__ = ["collect_demonstrations", "format_reply"]
 

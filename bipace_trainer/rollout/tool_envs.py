@@ -52,7 +52,7 @@ from typing import Any, Callable, Hashable, Sequence
 from envs.base import StepResult, TextEnv
 from envs.trl_env import EnvironmentFailure
 
-from .rollout import Action, EnvAdapter, Rollout, TaskRef, _is_failure
+from .loop import Action, EnvAdapter, Rollout, TaskRef, _is_failure
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ The history window is the last `history_length` (observation, action) pairs (SPE
 window 2 in the papers; 0 = no history). Admissible actions appear only when the env
 knows them, at most `max_admissible_actions` of them with a count of the rest, so a
 prompt stays bounded whatever the engine returns. Replies are parsed by
-`bipace_trainer.actions.parse_reply`; `action_for_env` turns a parse into the
+`bipace_trainer.rollout.actions.parse_reply`; `action_for_env` turns a parse into the
 command the env receives.
 
 Env text is untrusted: `safe_text` makes every piece of it safe to tokenize (a lone

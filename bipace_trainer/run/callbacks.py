@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from transformers import ProgressCallback, TrainerCallback
 
 if TYPE_CHECKING:
-    from .trainer import BiPACETrainer
+    from ..trainer import BiPACETrainer
 
 __all__ = ["TrainingInterrupted", "GracefulStopCallback", "NumericProgressCallback"]
 

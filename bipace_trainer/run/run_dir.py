@@ -235,8 +235,8 @@ def stop_message(output_dir: str | os.PathLike) -> str:
 def clean_stale_files(output_dir: str | os.PathLike) -> None:
     """What a run cleans when it starts: the `.partial` files of a killed rollout dump, and a
     README.md the user wrote, kept under another name before the run's card replaces it."""
-    from .model_card import keep_foreign_readme
-    from .trajectories import clean_partial_dumps
+    from ..reports.model_card import keep_foreign_readme
+    from ..rollout.trajectories import clean_partial_dumps
 
     clean_partial_dumps(output_dir)
     keep_foreign_readme(output_dir)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import trl
 
-from .models import cache_dir
+from ..models import cache_dir
 
 if TYPE_CHECKING:
-    from .trainer import BiPACETrainer
+    from ..trainer import BiPACETrainer
 
 __all__ = [
     "model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER",

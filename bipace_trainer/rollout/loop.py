@@ -49,7 +49,7 @@ import torch
 from envs.base import StepResult
 
 from .actions import parse_reply, token_prefix_key
-from .advantages import StepBatch
+from ..advantages import StepBatch
 from .prompting import action_for_env, build_messages
 
 __all__ = [
