@@ -8,19 +8,30 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from transformers import ProgressCallback, TrainerCallback
 
 if TYPE_CHECKING:
-    from ..trainer import BiPACETrainer
+    from transformers import TrainerState
 
-__all__ = ["TrainingInterrupted", "GracefulStopCallback", "NumericProgressCallback"]
+    from ..rollout.collector import CrossRankSync
+
+__all__ = ["TrainingInterrupted", "Stoppable", "GracefulStopCallback", "NumericProgressCallback"]
 
 
 class TrainingInterrupted(BaseException):
     """SIGTERM that could not wait for the end of a step (a second SIGTERM, or one during
     the final evaluation). A BaseException, so no `except Exception` in an env swallows it."""
+
+
+class Stoppable(Protocol):
+    """What the graceful stop reads and sets on the trainer, and nothing else."""
+
+    interrupted: bool  # set on SIGTERM: `train` returns None, the final evaluation is skipped
+    state: TrainerState  # TRL's: global_step, max_steps
+    _saving: bool  # a checkpoint is being written: a second SIGTERM waits for it
+    _sync: CrossRankSync  # so every rank stops at the same step
 
 
 class GracefulStopCallback(TrainerCallback):
@@ -32,7 +43,7 @@ class GracefulStopCallback(TrainerCallback):
     writes (`checkpointing.save_atomically`) keep the last one loadable.
     """
 
-    def __init__(self, trainer: BiPACETrainer):
+    def __init__(self, trainer: Stoppable):
         self.trainer = trainer
         self._requested = False
         self._training_over = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from accelerate.utils import gather_object
@@ -26,10 +26,17 @@ from transformers import TrainerCallback
 from ..rollout.loop import Episode
 
 if TYPE_CHECKING:
-    from ..trainer import BiPACETrainer
+    from accelerate import Accelerator
+    from torch import nn
+    from transformers import TrainerState
+
+    from ..rollout.collector import RolloutCollector
+    from ..rollout.loop import TaskRef
 
 __all__ = [
     "EVAL_FILE",
+    "EvaluatedTrainer",
+    "Evaluates",
     "evaluate_policy",
     "summarise_evaluation",
     "EvaluationCallback",
@@ -71,8 +78,33 @@ def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) 
     return result
 
 
+class EvaluatedTrainer(Protocol):
+    """What `evaluate_policy` reads and writes on the trainer (TRL's Trainer plus the run's collector
+    and history), and nothing else."""
+
+    args: Any  # BiPACEConfig's eval_temperature, output_dir
+    accelerator: Accelerator
+    model: nn.Module  # put in eval mode while it plays, then back
+    state: TrainerState  # the result's step
+    collector: RolloutCollector  # plays and records the episodes
+    eval_history: list[dict[str, Any]]  # the result is appended, the whole written to EVAL_FILE
+    _metrics: dict[str, Any]  # TRL's: a non-final result joins the next training log
+
+    def eval_task_refs(self, split: str) -> list[TaskRef]: ...  # a subclass may play other tasks
+
+    def log(self, logs: dict[str, float]) -> None: ...  # a final result is logged at once
+
+
+class Evaluates(Protocol):
+    """What the evaluation callbacks call: the trainer's `evaluate_policy`, skipped once interrupted."""
+
+    interrupted: bool
+
+    def evaluate_policy(self, tag: str = ..., split: str | None = ...) -> dict[str, Any]: ...
+
+
 @torch.no_grad()
-def evaluate_policy(trainer: BiPACETrainer, tag: str, split: str) -> dict[str, Any]:
+def evaluate_policy(trainer: EvaluatedTrainer, tag: str, split: str) -> dict[str, Any]:
     """Play `split`'s evaluation tasks with `trainer`'s policy; see the module docstring.
 
     `tag` names the occasion ("before", "interval", "final", or the caller's): a "final"
@@ -117,7 +149,7 @@ class EvaluationCallback(TrainerCallback):
     """Evaluates before training (`evaluate_before_training`) and every `eval_interval` steps
     (the last step is left to `FinalEvaluationCallback`)."""
 
-    def __init__(self, trainer: BiPACETrainer):
+    def __init__(self, trainer: Evaluates):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -133,7 +165,7 @@ class FinalEvaluationCallback(TrainerCallback):
     """The final evaluation, placed before every other callback: the trackers' own
     `on_train_end` finishes their runs, and the evaluation still logs (TRL's profiling too)."""
 
-    def __init__(self, trainer: BiPACETrainer):
+    def __init__(self, trainer: Evaluates):
         self.trainer = trainer
 
     def on_train_end(self, args, state, control, **kwargs):
