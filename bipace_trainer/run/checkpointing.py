@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from transformers.trainer_utils import rotate_checkpoints
@@ -35,13 +35,19 @@ from trl.trainer.utils import RepeatSampler
 from . import run_dir as run_files
 
 if TYPE_CHECKING:
-    from ..trainer import BiPACETrainer
+    from accelerate import Accelerator
+    from torch import nn
+    from transformers import TrainerState
+
+    from ..advantages import StepAdvantageEstimator
+    from ..rollout.collector import RolloutCollector
 
 __all__ = [
     "STATE_FILE",
     "BUFFER_FILE",
     "ENV_COUNTERS_FILE",
     "CheckpointWriteError",
+    "CheckpointedTrainer",
     "save_atomically",
     "load_run_state",
     "EpochSeededRepeatSampler",
@@ -75,7 +81,24 @@ def _out_of_space(err: BaseException | None) -> bool:
     return False
 
 
-def save_atomically(trainer: BiPACETrainer, run_dir: Path, trl_save: Callable[[], None]) -> None:
+class CheckpointedTrainer(Protocol):
+    """What a checkpoint reads from and restores into the trainer besides TRL's own files, and nothing else."""
+
+    args: Any  # TRL's should_save, save_total_limit, output_dir, steps_per_generation (+ the run's config)
+    accelerator: Accelerator
+    state: TrainerState  # global_step, best_model_checkpoint
+    model: nn.Module  # its config's _name_or_path, for the run's identity
+    estimator: StepAdvantageEstimator  # its state (the calibrated ε)
+    eval_history: list[dict[str, Any]]
+    collector: RolloutCollector  # the training env counters
+    num_iterations: int
+    _checkpoint_staging: str | None  # where TRL's save writes while it runs
+    _step: int  # TRL's buffered generation, saved mid-generation
+    _buffered_inputs: list[dict[str, Any]] | None
+    _skip_update: bool
+
+
+def save_atomically(trainer: CheckpointedTrainer, run_dir: Path, trl_save: Callable[[], None]) -> None:
     """Write the checkpoint into a staging folder, then rename it into place.
 
     `trl_save` is TRL's own `_save_checkpoint`; while it runs, `trainer._checkpoint_staging`
@@ -122,7 +145,7 @@ def save_atomically(trainer: BiPACETrainer, run_dir: Path, trl_save: Callable[[]
     accelerator.wait_for_everyone()
 
 
-def _write_run_state(trainer: BiPACETrainer, directory: Path) -> None:
+def _write_run_state(trainer: CheckpointedTrainer, directory: Path) -> None:
     rank = trainer.accelerator.process_index
     if trainer.args.should_save:
         state = {"estimator": trainer.estimator.state_dict(), "eval_history": trainer.eval_history}
@@ -142,7 +165,7 @@ def _write_run_state(trainer: BiPACETrainer, directory: Path) -> None:
         torch.save(buffer, directory / BUFFER_FILE.format(rank=rank))
 
 
-def load_run_state(trainer: BiPACETrainer, checkpoint: str | None) -> None:
+def load_run_state(trainer: CheckpointedTrainer, checkpoint: str | None) -> None:
     """Restore what `save_atomically` added to `checkpoint` (after TRL has loaded its own)."""
     if checkpoint is None:
         return
