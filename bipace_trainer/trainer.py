@@ -438,7 +438,13 @@ class BiPACETrainer(GRPOTrainer):
             return
         directory = Path(output_dir or self.args.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "README.md").write_text(model_card(self, model_name or directory.name))
+        source = self.collector.source
+        card = model_card(
+            self.args, self.model, model_name or directory.name, steps=self.state.global_step, env=source.name,
+            report_key=source.report_key, eps=self.estimator.eps_in_use, eval_history=self.eval_history,
+            recipe=getattr(self, "recipe", None),
+        )
+        (directory / "README.md").write_text(card)
 
     def save_model(self, output_dir=None, _internal_call=False):
         """TRL's, then the project's card over the blank one PEFT writes next to an adapter

@@ -12,14 +12,11 @@ import importlib.metadata
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import trl
 
 from ..models import cache_dir
-
-if TYPE_CHECKING:
-    from ..trainer import BiPACETrainer
 
 __all__ = [
     "model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER",
@@ -124,10 +121,9 @@ def keep_foreign_readme(directory: str | os.PathLike) -> Path | None:
     return kept
 
 
-def _evaluation(trainer: BiPACETrainer) -> list[str]:
-    args = trainer.args
-    final = next((e for e in reversed(trainer.eval_history) if e.get("tag") == "final"), None)
-    before = next((e for e in trainer.eval_history if e.get("tag") == "before"), None)
+def _evaluation(args, eval_history: list[dict[str, Any]], report_key: str | None) -> list[str]:
+    final = next((e for e in reversed(eval_history) if e.get("tag") == "final"), None)
+    before = next((e for e in eval_history if e.get("tag") == "before"), None)
     if not final:
         return ["No final evaluation was run."]
     lines = [
@@ -135,7 +131,7 @@ def _evaluation(trainer: BiPACETrainer) -> list[str]:
         f"(temperature {args.eval_temperature}): **{final['success_rate']:.3f}**"
         + (f" (before training: {before['success_rate']:.3f})" if before else ""),
         "",
-        f"| {table_cell(trainer.collector.source.report_key or 'tasks')} | success after training | before training |",
+        f"| {table_cell(report_key or 'tasks')} | success after training | before training |",
         "|---|---|---|",
         f"| all | {final['success_rate']:.3f} | {before['success_rate']:.3f} |" if before
         else f"| all | {final['success_rate']:.3f} | – |",
@@ -156,18 +152,34 @@ def _citations(preset: str) -> list[str]:
     return lines + ["", "```bibtex", grpo, "", TRL_CITATION, "```"]
 
 
-def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | None = None) -> str:
-    """The card's markdown. `trackers`: lines for the tracking section (default: `tracker_links`)."""
-    args = trainer.args
-    base, hub_id = _base_model(getattr(trainer.model.config, "_name_or_path", "") or "")
+def model_card(
+    args,
+    model,
+    model_name: str,
+    *,
+    steps: int,
+    env: str,
+    report_key: str | None,
+    eps: float | None,
+    eval_history: list[dict[str, Any]],
+    recipe: str | None = None,
+    trackers: list[str] | None = None,
+) -> str:
+    """The card's markdown, from the run's values (the trainer passes its own: `create_model_card`).
+
+    `args`: the run's BiPACEConfig; `model`: the trained model (its config's base name, its PEFT
+    config); `steps`: optimizer steps taken; `env`/`report_key`: the env's name and the task
+    attribute evaluations are broken down by; `eps`: the estimator's clustering ε in use
+    (`StepAdvantageEstimator.eps_in_use`: calibrated, fixed or its fallback; None without
+    clustering); `eval_history`: the run's evaluations; `recipe`: the recipe file, if any;
+    `trackers`: lines for the tracking section (default: `tracker_links`).
+    """
+    base, hub_id = _base_model(getattr(model.config, "_name_or_path", "") or "")
     est = args.estimator
-    eps = trainer.estimator.eps_in_use  # the estimator's own account: calibrated, fixed, or its fallback
-    peft = getattr(trainer.model, "peft_config", None)
+    peft = getattr(model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()
     project = f"[{PROJECT}]({url})" if url else f"{PROJECT} (`pip install {PROJECT}`)"
-    recipe = getattr(trainer, "recipe", None)
-    env = trainer.collector.source.name
     trackers = tracker_links(args.report_to) if trackers is None else trackers
     lines = [
         "---",
@@ -183,7 +195,7 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
         "",
         "## Training",
         f"- recipe: `{recipe}`" if recipe else "- recipe: none (the command line's settings)",
-        f"- {trainer.state.global_step} optimizer steps with `BiPACETrainer` on TRL {trl.__version__}; "
+        f"- {steps} optimizer steps with `BiPACETrainer` on TRL {trl.__version__}; "
         + (f"LoRA r {adapter.r}, α {adapter.lora_alpha}" if adapter else "every parameter trained"),
         f"- learning rate {args.learning_rate} ({getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)}), "
         f"KL β {args.beta}, clip ε {args.epsilon}, rollout temperature {args.temperature}",
@@ -197,7 +209,7 @@ def model_card(trainer: BiPACETrainer, model_name: str, trackers: list[str] | No
         f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
         "",
         "## Evaluation",
-        *_evaluation(trainer),
+        *_evaluation(args, eval_history, report_key),
         "",
         "## Use",
         "```python",

@@ -55,3 +55,31 @@ def test_the_card_pushed_with_a_recipe_run(warm_policy_dir, tmp_path, monkeypatc
 def test_tracker_links():
     assert tracker_links([]) == []
     assert tracker_links(["tensorboard"]) == ["TensorBoard logs in the training output's `runs/`"]
+
+
+def test_the_card_from_plain_values_without_a_trainer(tmp_path):
+    # the card takes the run's values, not the trainer: built here from a config, a stand-in
+    # model (a LoRA config on it) and an evaluation history
+    from types import SimpleNamespace
+
+    from bipace_trainer import BiPACEConfig
+    from bipace_trainer.reports.model_card import model_card
+
+    args = BiPACEConfig(output_dir=str(tmp_path), use_cpu=True, env_name="tiny", preset="gigpo", report_to="none")
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path="Qwen/Qwen2.5-1.5B-Instruct"),
+                            peft_config={"default": SimpleNamespace(r=8, lora_alpha=16)})
+    history = [
+        {"tag": "before", "success_rate": 0.25, "num_tasks": 8, "per_type": {"depth=1": 0.5}},
+        {"tag": "final", "success_rate": 0.625, "num_tasks": 8, "per_type": {"depth=1": 0.75, "depth=2": 0.5}},
+    ]
+    card = model_card(args, model, "my-agent", steps=12, env="tiny", report_key="depth", eps=0.05,
+                      eval_history=history, recipe="recipes/x.yaml", trackers=[])
+    front_matter = yaml.safe_load(card.split("---")[1])
+    assert front_matter["base_model"] == "Qwen/Qwen2.5-1.5B-Instruct" and front_matter["library_name"] == "peft"
+    assert "# my-agent" in card and "- 12 optimizer steps" in card and "LoRA r 8, α 16" in card
+    assert "- recipe: `recipes/x.yaml`" in card and "- tracking: none" in card
+    assert f"- cluster layer {args.cluster_layer}, ε 0.05" in card
+    assert "| depth | success after training | before training |" in card
+    assert "| all | 0.625 | 0.250 |" in card and "| depth=1 | 0.750 | 0.500 |" in card and "| depth=2 | 0.500 | – |" in card
+    no_eval = model_card(args, model, "my-agent", steps=0, env="tiny", report_key=None, eps=None, eval_history=[])
+    assert "No final evaluation was run." in no_eval and "- no clustering ε" in no_eval
