@@ -30,7 +30,7 @@ ALLOWED = {
     "reports": {"models"},
     "run": {"rollout", "advantages", "reports", "models"},
     "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics"},
-    "config": {"advantages"},
+    "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
     "micro_batches": set(),
     "trl_metrics": set(),
