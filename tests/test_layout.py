@@ -29,12 +29,13 @@ ALLOWED = {
     "rollout": {"advantages"},
     "reports": {"models"},
     "run": {"rollout", "advantages", "reports", "models"},
-    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics"},
+    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics", "memory"},
     "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
     "micro_batches": set(),
     "trl_metrics": set(),
-    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics"},
+    "memory": set(),
+    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory"},
     "_old_paths": set(),
     "__init__": {"config", "trainer", "_old_paths"},
 }
