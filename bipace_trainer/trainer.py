@@ -12,8 +12,13 @@ estimator gives it. The envs are ours (`env_name`, a `TextEnv`) or TRL's own
 Overridden, everything else is TRL's (loss, clipping, KL, optimizer, logging, vLLM and
 DeepSpeed plumbing):
 
-- `_generate_and_score_completions`: the seam above. It calls `on_rollout(rollout,
-  advantages, diagnostics)`, the hook through which a subclass sees every generation.
+- `__init__`: GRPOTrainer's signature, keyword for keyword; `rollout_func` is refused (the
+  rollout is ours), a dict `environment_factory` must route every row, `cluster_layer` clamps
+  to the model's depth.
+- `_generate_and_score_completions`: the seam above. Env-failed episodes leave the batch unless
+  `penalize_env_failures`; GRPOTrainer's own metrics are logged per episode (`trl_metrics`) next
+  to ours. It calls `on_rollout(rollout, advantages, diagnostics)`, the hook through which a
+  subclass sees every generation.
 - `_tokenize_prompts`: each prompt bounded by the model's context.
 - `compute_loss`: a generation in which no sample on any rank has a non-zero advantage
   skips its update; a micro-batch runs in pieces of at most `per_device_train_batch_size`
@@ -45,25 +50,25 @@ from datasets import Dataset
 from transformers import ProgressCallback
 from trl import GRPOTrainer
 
-from .run import checkpointing, evaluation, resampling, run_dir
 from . import memory
 from .advantages import StepAdvantageEstimator, StepEstimate
+from .config import BiPACEConfig
+from .micro_batches import piece_weights, split_rows
+from .models import load_tokenizer, resolve_model_name
+from .reports.model_card import model_card
 from .rollout.batching import training_batch
-from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
-from .run.checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
 from .rollout.collector import (  # noqa: F401
     SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, task_dataset,
 )
-from .config import BiPACEConfig
-from .run.evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
 from .rollout.hidden import clamp_layer
-from .micro_batches import piece_weights, split_rows
-from .reports.model_card import model_card
-from .trl_metrics import loss_metric_names, summarise_episodes, trl_metrics
-from .models import load_tokenizer, resolve_model_name
-from .rollout.prompting import fit_prompt_ids
 from .rollout.loop import Rollout, TaskRef
+from .rollout.prompting import fit_prompt_ids
 from .rollout.tool_envs import check_environment_factory
+from .run import checkpointing, evaluation, resampling, run_dir
+from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
+from .run.checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
+from .run.evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
+from .trl_metrics import loss_metric_names, summarise_episodes, trl_metrics
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
 
@@ -85,11 +90,13 @@ class ScoredRollout(NamedTuple):
 class BiPACETrainer(GRPOTrainer):
     """Multi-turn, step-level RL on text environments; see the module docstring.
 
-    Args:
+    Args (GRPOTrainer's, in its order and with its defaults):
         model: what train.py's `--model_name_or_path` takes: a Hub id, a local path, or
             "embedded" (or None) for the embedded SmolLM2-135M-Instruct (`models.resolve_model_name`,
             converted once from its wheel, no download); or a loaded causal LM (a `PeftModel` works).
-        args: a `BiPACEConfig`.
+        args: a `BiPACEConfig` (None: its defaults, named after the model, as GRPOTrainer does).
+        reward_processing_classes, optimizers, quantization_config: passed to GRPOTrainer unchanged.
+        rollout_func: refused: it replaces the generation this trainer plays turn by turn.
         train_dataset: rows with a "task_id" column; defaults to the env's `train_split`. With
             TRL's envs, TRL's rows (each passed to `reset(**row)`; optional, as in TRL).
         processing_class: the tokenizer (needs a chat template; one that renders tools for
