@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from .partition import LevelledPartition, Partition
-from .records import BatchLayout, segment_mean_std, segment_reference, segment_sum
+from .records import BatchLayout, segment_mean_std, segment_reference, segment_sum, zero_mean_residue
 from .returns import EPS, discounted_cumsum_grid
 
 __all__ = [
@@ -329,7 +329,8 @@ def hgpo_level_mean(returns: torch.Tensor, partition: Partition, *, norm: str = 
     """HGPO's per-level advantage: R_i - mean_C R, ÷ (population std_C + 1e-6) for mean_std
     (`mean_baseline` divides by the unbiased std, as GiGPO's code does; HGPO's does not)."""
     count, mean, std = segment_mean_std(returns, partition.cell, partition.num_cells)
-    advantage = returns - mean[partition.cell]
+    # a return equal to its cell's mean gives a_k = 0 exactly, which `drop_zero_levels` drops
+    advantage = zero_mean_residue(returns - mean[partition.cell], returns, partition.cell, partition.num_cells)
     if norm == "mean_std":
         population = std * ((count - 1).clamp(min=0) / count.clamp(min=1)).sqrt()
         advantage = _divide_by_cell_std(advantage, population, partition.cell)

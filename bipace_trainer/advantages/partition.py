@@ -53,7 +53,8 @@ __all__ = [
 
 # Leader clustering joins a cluster when d <= eps + SAME_STATE_TOL, so that two
 # bit-identical hidden states always share a cell at eps = 0 despite float32 rounding
-# in the dot product (|x·x - 1| reaches a few 1e-7 for d = 3,584).
+# in the dot product (|x·x - 1| reaches a few 1e-7 for d = 3,584); and two centroids
+# whose distances to a step differ by at most SAME_STATE_TOL count as tied (the oldest wins).
 SAME_STATE_TOL = 1e-5
 
 
@@ -182,9 +183,9 @@ def leader_cluster(hidden: torch.Tensor, layout: BatchLayout, eps: float, block:
     """Leader clustering of steps by cosine distance, independently in each task group.
 
     φ(s) = h / ‖h‖₂ and d(u, v) = 1 - uᵀv. Steps are visited in (trajectory, t)
-    order; a step joins the nearest centroid of its group if d <= eps (ties: the
-    oldest cluster), else founds a new cluster. A centroid is the re-normalised mean
-    of its members, i.e. the direction of the member sum s_k.
+    order; a step joins the nearest centroid of its group if d <= eps (ties, within
+    SAME_STATE_TOL: the oldest cluster), else founds a new cluster. A centroid is the
+    re-normalised mean of its members, i.e. the direction of the member sum s_k.
 
     The sequential rule is evaluated exactly, but blockwise, so the d-dimensional work
     runs as dense matrix products instead of one small product per step. Each cluster
@@ -305,7 +306,11 @@ def _walk_block(dots, gram, norm, num_clusters, present, threshold) -> np.ndarra
         dot = dots[:, i] + np.matmul(gram[:, i, None, :i], joined[:, :i])[:, 0]  # x_i · s_k now
         with np.errstate(divide="ignore", invalid="ignore"):
             sim = np.where(slot_ids < num_clusters[:, None], dot / norm, -np.inf)
-        best = sim.argmax(axis=1)  # first maximum: the oldest cluster wins ties
+        # Ties go to the oldest cluster, and a tie is within SAME_STATE_TOL: equal distances
+        # reach here through different float32 sums (a centroid of 4 equal members and one
+        # of 1 give x·s/‖s‖ a few 1e-8 apart), and a bare argmax would follow that rounding.
+        near_best = sim >= sim.max(axis=1, keepdims=True) - SAME_STATE_TOL
+        best = near_best.argmax(axis=1)  # first True: the oldest cluster within the tolerance
         join = sim[rows, best] >= threshold
         target = np.where(join, best, num_clusters)
         here = present[:, i]

@@ -28,7 +28,20 @@ from typing import Hashable, Iterable
 
 import torch
 
-__all__ = ["StepBatch", "BatchLayout", "factorize", "segment_sum", "segment_reference", "segment_mean_std"]
+__all__ = [
+    "StepBatch",
+    "BatchLayout",
+    "factorize",
+    "segment_sum",
+    "segment_reference",
+    "segment_mean_std",
+    "zero_mean_residue",
+    "MEAN_RESIDUE_TOL",
+]
+
+# |x_i - mean_S x| at most this times max_S |x| is a rounding residue: x_i is the mean.
+# float64 means leave ~n·1e-16; rewards carry float32's 1e-7, so distinct values differ more.
+MEAN_RESIDUE_TOL = 1e-9
 
 
 def factorize(values: Iterable[Hashable]) -> torch.Tensor:
@@ -82,6 +95,24 @@ def segment_mean_std(
     sq_dev = segment_sum((values - mean[index]) ** 2, index, num_segments)
     std = torch.where(count > 1, (sq_dev / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq_dev))
     return count, mean, std
+
+
+def zero_mean_residue(centred: torch.Tensor, values: torch.Tensor, index: torch.Tensor, num_segments: int):
+    """`centred` = values - their segment's mean, with rounding residues set to exactly 0.
+
+    A value equal to the mean of unequal ones (scores (1, 1, 0, 0.9, 0.9) and mean 0.9,
+    returns (-0.5, 0.5, 0.4, -0.6, ..., 0) and mean -0.6) has deviation 0 in exact
+    arithmetic but ~1e-16 in float64, depending on the order of the sum. HGPO drops an
+    item whose advantage is exactly 0 from its weighted mean (`hierarchy_baseline`), so
+    that residue would halve the step's advantage instead of leaving it as it is.
+
+    Args:
+        centred: (N,) values - mean[index]; values: (N,); index: (N,) segment of each value.
+    Returns:
+        (N,) `centred`, 0 where |centred| <= MEAN_RESIDUE_TOL · max |values| of the segment.
+    """
+    scale = values.new_zeros(num_segments).scatter_reduce_(0, index, values.abs(), reduce="amax")
+    return torch.where(centred.abs() <= MEAN_RESIDUE_TOL * scale[index], 0.0, centred)
 
 
 def _as_long(name: str, value, n: int | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .records import BatchLayout, segment_mean_std
+from .records import BatchLayout, segment_mean_std, zero_mean_residue
 
 __all__ = [
     "discounted_cumsum_grid",
@@ -132,7 +132,8 @@ def episode_returns(reward: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
 
 def _normalise(score, index, num_segments, norm, *, singleton_score):
     count, mean, std = segment_mean_std(score, index, num_segments)
-    centred = score - mean[index]
+    # exactly 0 for a score equal to the mean: HGPO's base item is dropped then
+    centred = zero_mean_residue(score - mean[index], score, index, num_segments)
     if norm == "mean_std":
         centred = centred / (std[index] + EPS)
     alone = count[index] < 2

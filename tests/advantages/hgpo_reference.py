@@ -41,7 +41,14 @@ code's drop of zero levels does not fire and the level enters the weighted mean 
 float32: the residue divided by a std of the same residue), the same sign for every
 member. `exact_mean=True` is the code's rule as written; this project implements that
 (its cell means are exact for equal values), and the tests measure the distance to the
-code's float32 arithmetic separately.
+code's float32 arithmetic separately. The same holds for one value that equals the mean
+of unequal ones (returns (-0.5, 0.5, 0.4, -0.6, -1.5, -2, -1.1, 0) at -0.6; row scores
+of 1, 0 and 0.9 averaging 0.9 in `trajectory_advantages`): a = 0 and the item is
+dropped, but whether the arithmetic gives 0 or a 1e-16 residue is a matter of the order
+of its sum (torch's here, the package's segment sums there). So `exact_mean=True` also
+takes a deviation within `MEAN_RESIDUE_TOL` · max |values| (1e-9, the package's constant
+restated) as 0: far above float64's rounding (~1e-16 per operation), far below the 1e-7
+resolution of float32 rewards.
 
 The response tensors of the original (`token_level_rewards`, `response_mask`) are
 reduced to one token per row here: every use of them in the code is a per-row sum or a
@@ -57,6 +64,13 @@ import torch
 
 from .gigpo_reference import discounted_returns
 
+MEAN_RESIDUE_TOL = 1e-9  # `bipace_trainer.advantages.records.MEAN_RESIDUE_TOL`, restated
+
+
+def zero_residue(centred, values):
+    """`centred` (values - mean) with |deviations| <= MEAN_RESIDUE_TOL · max |values| set to 0."""
+    return torch.where(centred.abs() <= MEAN_RESIDUE_TOL * values.abs().max(), 0.0, centred)
+
 
 def to_hashable(x):
     if isinstance(x, (int, float, str, bool)):
@@ -70,8 +84,9 @@ def to_hashable(x):
     raise TypeError(f"Unsupported type: {type(x)}")
 
 
-def trajectory_advantages(scores, index, epsilon, remove_std, dtype):
-    """`trajectory_advantages(compute_mean_std_cross_steps=True)`: statistics over rows."""
+def trajectory_advantages(scores, index, epsilon, remove_std, dtype, exact_mean=False):
+    """`trajectory_advantages(compute_mean_std_cross_steps=True)`: statistics over rows
+    (`exact_mean`: a score equal to its group's mean is centred to 0 exactly)."""
     scores = scores.clone()
     id2score = defaultdict(list)
     for i in range(scores.shape[0]):
@@ -84,10 +99,13 @@ def trajectory_advantages(scores, index, epsilon, remove_std, dtype):
             id2mean[idx] = torch.mean(torch.tensor(values, dtype=dtype))
             id2std[idx] = torch.std(torch.tensor([values], dtype=dtype))
     for i in range(scores.shape[0]):
+        centred = scores[i] - id2mean[index[i]]
+        if exact_mean and len(id2score[index[i]]) > 1:
+            centred = zero_residue(centred, torch.stack(id2score[index[i]]))
         if remove_std:
-            scores[i] = scores[i] - id2mean[index[i]]
+            scores[i] = centred
         else:
-            scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+            scores[i] = centred / (id2std[index[i]] + epsilon)
     return scores
 
 
@@ -104,7 +122,8 @@ def hgpo_advantage_estimate(
     base_adv_scalars = None
     if base_group:
         base_adv_scalars = trajectory_advantages(
-            episode_scores.to(dtype), index, epsilon, remove_std=(mode == "mean_norm"), dtype=dtype
+            episode_scores.to(dtype), index, epsilon, remove_std=(mode == "mean_norm"), dtype=dtype,
+            exact_mean=exact_mean,
         )
 
     def aggregate_items(items):
@@ -152,10 +171,13 @@ def hgpo_advantage_estimate(
             r = torch.stack([traj_rewards[ti][si] for (ti, si) in members], dim=0)
             mean = r[0] + (r - r[0]).mean() if exact_mean else r.mean()
             std = r.std(unbiased=False) if not exact_mean else ((r - mean) ** 2).mean().sqrt()
+            centred = r - mean
+            if exact_mean:  # a return equal to the mean is a = 0, not its rounding residue
+                centred = zero_residue(centred, r)
             if mode == "mean_std_norm":
-                a = (r - mean) / (std + epsilon)
+                a = centred / (std + epsilon)
             elif mode == "mean_norm":
-                a = r - mean
+                a = centred
             else:
                 raise ValueError(f"Invalid mode: {mode}")
             for j, (ti, si) in enumerate(members):

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 EPS = 1e-6
 TOL = 1e-5  # the package's SAME_STATE_TOL, restated
+TIE = 1e-12  # distances this close in float64 are equal ones, rounded
 
 
 def mean(xs):
@@ -116,8 +117,13 @@ def hash_cells(steps):
 def hidden_cells(steps, eps):
     """Leader clustering, recomputing each centroid from its members every time.
 
+    A step joins the nearest centroid if d <= eps + TOL; equal distances (float64 gap
+    below TIE) go to the oldest cluster, whatever the package's float32 rounding of them.
+
     Returns (cell keys, margin): margin is the smallest |d - (eps + TOL)| over all join
-    decisions, so callers can skip batches where float rounding could flip one.
+    decisions and the smallest gap above TIE between the distance of the joined cluster
+    and another's, so callers can skip batches where float rounding could flip one
+    (a near tie the package's tolerance would resolve to the oldest cluster).
     """
     cells = [None] * len(steps)
     margin = math.inf
@@ -129,14 +135,16 @@ def hidden_cells(steps, eps):
         clusters = []  # lists of member unit vectors
         for i in idx:
             x = unit(steps[i]["hidden"])
-            best, best_d = None, math.inf
-            for c, members in enumerate(clusters):
+            distances = []
+            for members in clusters:
                 centroid = unit([sum(col) / len(members) for col in zip(*members)])
-                d = 1.0 - dot(x, centroid)
-                margin = min(margin, abs(d - (eps + TOL)))
-                if d < best_d:
-                    best, best_d = c, d
+                distances.append(1.0 - dot(x, centroid))
+                margin = min(margin, abs(distances[-1] - (eps + TOL)))
+            best_d = min(distances, default=math.inf)
+            best = next((c for c, d in enumerate(distances) if d <= best_d + TIE), None)
             if best is not None and best_d <= eps + TOL:
+                gaps = [d - best_d for d in distances if d - best_d > TIE]
+                margin = min([margin, *gaps])
                 clusters[best].append(x)
                 cells[i] = (g, best)
             else:

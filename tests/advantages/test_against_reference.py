@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from bipace_trainer.advantages import BatchLayout, compute_advantages, leader_cluster, partition, resolve_settings
@@ -70,6 +70,31 @@ def test_presets_match_reference(preset, steps, eps):
     check_against_reference(steps, est, eps if est.partition == "hidden" else None)
 
 
+def _hidden_steps(trajectories):
+    """Steps from {group: [(traj, [hidden, ...]), ...]} in the listed order; the other fields fixed."""
+    return [
+        dict(group=g, traj=traj, t=t, reward=0.0, valid=True, anchor="obs-0", key="act-0", hidden=h, truncated=False)
+        for g, trajs in trajectories.items()
+        for traj, hidden in trajs
+        for t, h in enumerate(hidden)
+    ]
+
+
+X, Y, XY, XZ = [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 2.0]
+# Hypothesis' counterexample: in group 3 the last step [1, 1, 0] is at d = 1 - 1/√2 from
+# the cluster of four [1, 0, 0] (founded second) and from the one [0, 1, 0] (third). The
+# first sum's float32 dot came out a few 1e-8 lower, so a bare argmax chose the younger
+# cluster; ties within SAME_STATE_TOL now go to the oldest, as the sequential rule says.
+EQUIDISTANT_TO_TWO_CLUSTERS = _hidden_steps(
+    {
+        0: [(1000, [X] * 5), (1001, [X] * 5), (1002, [X] * 4)],
+        1: [(1003, [X] * 4), (1004, [X] * 5), (1005, [X] * 6)],
+        2: [(1006, [X] * 5)],
+        3: [(1008, [X] * 5), (1007, [XZ, X, Y, X, X, X, XY])],
+    }
+)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     steps=step_lists(max_traj=6, max_len=8),
@@ -77,6 +102,8 @@ def test_presets_match_reference(preset, steps, eps):
     eps=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
     one_group_per_chunk=st.booleans(),
 )
+@example(steps=EQUIDISTANT_TO_TWO_CLUSTERS, block=5, eps=0.3, one_group_per_chunk=False)
+@example(steps=EQUIDISTANT_TO_TWO_CLUSTERS[-7:], block=5, eps=0.3, one_group_per_chunk=False)
 def test_leader_cluster_blocks_match_reference(steps, block, eps, one_group_per_chunk):
     """The blockwise evaluation gives the sequential rule's clusters for any block size,
     whether the task groups advance together or one chunk of groups at a time."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bipace_trainer.advantages import StepBatch, compute_advantages, resolve_settings
+from bipace_trainer.advantages.records import segment_mean_std, zero_mean_residue
 
 from .hgpo_reference import hgpo_advantages
 from .strategies import step_lists
@@ -105,7 +106,44 @@ def test_paper_setting_keeps_zero_levels_in_the_mean():
     assert paper[1].item() == pytest.approx(1 * a0 / (1 + 2), abs=1e-6)  # w = (1, 2), a_1 = 0 kept
 
 
+def _steps(rows):
+    """Property-test steps from rows (group, traj, t, reward, valid, anchor)."""
+    keys = ("group", "traj", "t", "reward", "valid", "anchor")
+    return [dict(zip(keys, row), key="act-0", hidden=[1.0, 0.0, 0.0], truncated=False) for row in rows]
+
+
+# Hypothesis' counterexample: at traj 1001, t = 1 (invalid, return -0.5 - 0.1) the return
+# equals the mean of its level-0 cell "obs-2" (-0.5, 0.5, 0.4, -0.6, -1.5, -2, -1.1, 0), so
+# a_0 = 0 and the code drops the level, leaving the episode item alone (-1.557). The float64
+# mean left a 1e-16 residue instead, the level stayed in as ~0 and halved it (-0.778).
+RETURN_AT_ITS_CELL_MEAN = _steps(
+    [(0, 1000, t, r, v, a) for t, (r, v, a) in enumerate(
+        [(0.0, True, "obs-2"), (-1.0, True, "obs-0"), (0.0, True, "obs-2"), (0.5, False, "obs-2")]
+    )]
+    + [(0, 1001, t, r, v, a) for t, (r, v, a) in enumerate(
+        [(0.0, True, "obs-0"), (0.5, False, "obs-2"), (0.5, True, "obs-0"), (0.5, True, "obs-2"),
+         (-1.0, True, "obs-2"), (-1.0, False, "obs-2"), (0.0, True, "obs-2")]
+    )]
+)  # fmt: skip
+
+
+# Another: the base item. Rows score 1 (18), 0 (2) and 0.9 (6 invalid rows), and the mean
+# of the 26 is 0.9, so A^ep = 0 there and the code drops it; a float64 residue kept it as
+# ~0 in the reference's mean (the package's sum gave exactly 0), halving those 6 steps.
+SCORE_AT_ITS_GROUP_MEAN = _steps(
+    [(1, traj, t, float(won and t == n - 1), t not in invalid, "obs-0")
+     for traj, (n, won, invalid) in enumerate(
+        [(6, 1, ()), (7, 1, ()), (2, 0, ()), (2, 1, ()), (5, 1, (3, 4)), (4, 1, (0, 1, 2, 3))], start=1004
+     )
+     for t in range(n)]
+)  # fmt: skip
+
+
 @settings(max_examples=200, deadline=None)
+@example(steps=SCORE_AT_ITS_GROUP_MEAN, norm="mean_std", base_group=True, levels=0, alpha=0.0, gamma=0.9, penalty=0.1)
+@example(steps=SCORE_AT_ITS_GROUP_MEAN, norm="mean", base_group=True, levels=1, alpha=1.0, gamma=0.9, penalty=0.1)
+@example(steps=RETURN_AT_ITS_CELL_MEAN, norm="mean_std", base_group=True, levels=0, alpha=0.0, gamma=1.0, penalty=0.1)
+@example(steps=RETURN_AT_ITS_CELL_MEAN, norm="mean", base_group=False, levels=2, alpha=1.0, gamma=1.0, penalty=0.1)
 @given(
     steps=st.integers(2, 4).flatmap(lambda a: step_lists(max_groups=4, max_traj=6, max_len=8, num_anchors=a)),
     norm=st.sampled_from(["mean_std", "mean"]),
@@ -138,3 +176,19 @@ def test_the_codes_float32_mean_leaves_a_residue_that_escapes_the_zero_drop():
     assert (ours == 0).all() and (intended == 0).all()
     assert code[first].tolist() == pytest.approx([0.05625] * 8, abs=1e-4)  # d / (d + 1e-6), d = 2^-24
     assert (code[~first] == 0).all()  # returns of 1.0: the float32 mean is exact there
+
+
+def test_a_value_equal_to_its_mean_is_centred_to_exactly_zero():
+    """The cell of the first counterexample above: the package's float64 mean of these
+    returns is -0.6000000000000001, so R - mean at R = -0.6 is 1.1e-16, not the 0 that
+    HGPO's zero-drop reads. `zero_mean_residue` (episode and level advantages) makes it 0
+    and leaves every real deviation as it was."""
+    returns = torch.tensor([-0.5, 0.5, 0.5 - 0.1, -0.5 - 0.1, -1.5, -2.0, -1.0 - 0.1, 0.0], dtype=torch.float64)
+    cell = torch.zeros(8, dtype=torch.long)
+    _, mean, _ = segment_mean_std(returns, cell, 1)
+    centred = returns - mean[cell]
+    assert 0 < abs(centred[3].item()) < 1e-15  # the residue this guards against
+    snapped = zero_mean_residue(centred, returns, cell, 1)
+    assert snapped[3].item() == 0.0
+    keep = torch.arange(8) != 3
+    assert torch.equal(snapped[keep], centred[keep])
