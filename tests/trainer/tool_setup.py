@@ -85,16 +85,23 @@ def _call(name: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": {}}) + "\n</tool_call>"
 
 
-def demonstration_chats(count: int, seed: int = 0) -> list[list[dict]]:
-    """Chats that call random tools for 1-3 turns and then answer "Done."."""
+def _lamps_episode(rng: random.Random):
+    """A reset `Lamps` and its first prompt, the observation appended (TRL's rule)."""
+    env = Lamps()
+    chat = [dict(m) for m in PROMPT]
+    chat[-1]["content"] += env.reset()
+    return env, chat
+
+
+def demonstration_chats(count: int, seed: int = 0, *, episode=_lamps_episode, tools=TOOLS) -> list[list[dict]]:
+    """Chats that call random `tools` for 1-3 turns and then answer "Done."; `episode(rng)` gives
+    each chat's reset env and first prompt (default: `Lamps`)."""
     rng = random.Random(seed)
     chats = []
     for _ in range(count):
-        env = Lamps()
-        chat = [dict(m) for m in PROMPT]
-        chat[-1]["content"] += env.reset()
+        env, chat = episode(rng)
         for _ in range(rng.choice([1, 2, 2, 3])):
-            name = rng.choice(TOOLS)
+            name = rng.choice(tools)
             chat.append({"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {"name": name, "arguments": {}}}]})
             chat.append({"role": "tool", "name": name, "content": getattr(env, name)()})
@@ -103,13 +110,15 @@ def demonstration_chats(count: int, seed: int = 0) -> list[list[dict]]:
     return chats
 
 
-def make_tokenizer():
-    tools = [getattr(Lamps(), name) for name in TOOLS]
+def make_tokenizer(*, env_class=Lamps, episode=_lamps_episode, tools=TOOLS):
+    """A BPE trained on `demonstration_chats` of `env_class` rendered with its tools, with Qwen2.5's template."""
+    methods = [getattr(env_class(), name) for name in tools]
     template = qwen2_5_template()
     probe = bpe_chat_tokenizer(["x"], vocab_size=300)
     probe.chat_template = template
-    corpus = [probe.apply_chat_template(chat, tools=tools, tokenize=False) for chat in demonstration_chats(40)]
-    corpus += [_call(name) for name in TOOLS] + ["Done."]
+    chats = demonstration_chats(40, episode=episode, tools=tools)
+    corpus = [probe.apply_chat_template(chat, tools=methods, tokenize=False) for chat in chats]
+    corpus += [_call(name) for name in tools] + ["Done."]
     tokenizer = bpe_chat_tokenizer(corpus, vocab_size=2000)
     tokenizer.chat_template = template
     return tokenizer
@@ -167,8 +176,8 @@ def sft(model, tokenizer, pairs, *, max_steps: int, batch_size: int = 8, learnin
     return model
 
 
-def warm_start(model, tokenizer, max_steps: int = 120, seed: int = 0):
-    """SFT (`sft`) on one sample per assistant turn of `demonstration_chats`: the prompt as the chat
+def warm_start(model, tokenizer, max_steps: int = 120, seed: int = 0, *, env_class=Lamps, episode=_lamps_episode, tools=TOOLS):
+    """SFT (`sft`) on one sample per assistant turn of `demonstration_chats` (of `env_class`): the prompt as the chat
     template renders it with the tools, the completion the turn's text up to <|im_end|>.
 
     120 steps, not the 60 that SFTTrainer ran: at 60 the policy garbles about a fifth of its tool
@@ -176,14 +185,14 @@ def warm_start(model, tokenizer, max_steps: int = 120, seed: int = 0):
     seventy, and the step-credit test in test_trl_environment.py wants no failed episode in its
     healthy group (a garbled call fails its episode). It still calls random tools, so it lights
     both lamps only now and then."""
-    tools = [getattr(Lamps(), name) for name in TOOLS]
+    methods = [getattr(env_class(), name) for name in tools]
     pairs = []
-    for chat in demonstration_chats(120, seed=seed):
+    for chat in demonstration_chats(120, seed=seed, episode=episode, tools=tools):
         for k, message in enumerate(chat):
             if message["role"] != "assistant":
                 continue
-            prompt = tokenizer.apply_chat_template(chat[:k], tools=tools, tokenize=False, add_generation_prompt=True)
-            full = tokenizer.apply_chat_template(chat[: k + 1], tools=tools, tokenize=False)
+            prompt = tokenizer.apply_chat_template(chat[:k], tools=methods, tokenize=False, add_generation_prompt=True)
+            full = tokenizer.apply_chat_template(chat[: k + 1], tools=methods, tokenize=False)
             completion = full[len(prompt):]
             completion = completion[: completion.index("<|im_end|>") + len("<|im_end|>")]
             pairs.append((prompt, completion))
