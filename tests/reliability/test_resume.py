@@ -34,7 +34,8 @@ def make(model_dir, run_dir, **settings):
 
 
 def timing(key: str) -> bool:
-    return key.startswith("time/") or key.endswith(("seconds", "_per_second", "step_time", "runtime"))
+    """A wall-clock measurement, which no resume can reproduce (the rollout's idle and env-wait shares are ones too)."""
+    return key.startswith("time/") or key.endswith(("seconds", "_per_second", "step_time", "runtime", "_share"))
 
 
 def logs(trainer):
