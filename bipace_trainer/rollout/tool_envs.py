@@ -29,7 +29,7 @@ answers without a tool call, and the whole chat is one sample with one advantage
   any env failure (`envs.vector`), and the run goes on;
 - the state of a turn is what its tools returned; a tool that returned nothing (None, or
   empty text) tells no state apart, so that turn's state is its episode's history of calls
-  and results instead (distinct histories never share a cell), with a warning once per run;
+  and results instead (distinct histories never share a cell), with a warning once per tool;
 - `get_reward()` must return a number: anything else (the string "1.0", None) stops the run
   with an error naming the env's method and the type, as a wrong reward is not an env fault.
 
@@ -126,7 +126,8 @@ class ToolSession(TextEnv):
     `reset(row)` picks the env by the row's "environment" (a dict factory) and returns
     `env.reset(**row)` as the observation; `step(command)` takes the JSON list of a
     reply's tool calls (`{"name", "arguments"}`) and returns their results, or, for
-    `SCORE`, the env's `get_reward()` as the reward of a done result.
+    `SCORE`, the env's `get_reward()` as returned, in the done result's `info["get_reward"]`
+    (with `info["env_class"]`, TRL's name for that reward column): the adapter checks its type.
     """
 
     name = "trl_environment"
