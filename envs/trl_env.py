@@ -152,7 +152,7 @@ class TRLEnvironment:
         self.task = str(result.info.get("task", ""))
         text = self._take(result)
         if self.failure:
-            raise EnvironmentFailure(f"reset failed: {self.failure}", kind=self.failure.split(":", 1)[0].strip() or None)
+            raise self._failure_error(f"reset failed: {self.failure}")
         instruction = str(result.info.get("instruction", self.instruction))
         header = [instruction] if instruction else []
         if self.task and self.task not in result.observation:  # ALFWorld's first observation holds its task
@@ -171,8 +171,7 @@ class TRLEnvironment:
             once the episode is over, a line saying so.
         """
         if self.done and self.failure:  # a call after the env failed: still failed, of the same kind
-            raise EnvironmentFailure(f"The environment failed ({self.failure}); this episode is over.",
-                                     kind=self.failure.split(":", 1)[0].strip() or None)
+            raise self._failure_error(f"The environment failed ({self.failure}); this episode is over.")
         if self.done:
             # Said, not raised: an extra call after a finished episode is the model's mistake, not an
             # env failure (a trainer that counts raising tools as failed episodes would undo a win).
@@ -181,8 +180,12 @@ class TRLEnvironment:
         self.steps += 1
         text = self._take(result)
         if self.failure:
-            raise EnvironmentFailure(result.observation, kind=self.failure.split(":", 1)[0].strip() or None)
+            raise self._failure_error(result.observation)
         return text
+
+    def _failure_error(self, message: str) -> EnvironmentFailure:
+        """`message` as an `EnvironmentFailure` of this episode's failure kind (`failure` is "<kind>: <reason>")."""
+        return EnvironmentFailure(message, kind=self.failure.split(":", 1)[0].strip() or None)
 
     def get_reward(self) -> float:
         """The episode return: the sum of the env's step rewards (0.0 for a failed episode)."""

@@ -254,8 +254,9 @@ class EnvSlot:
             raw = getattr(self.env, method)(arg)
         except (Exception, SystemExit) as err:  # an engine calling sys.exit() must not end the training run
             self.discard()
-            kind = getattr(err, "kind", None) if isinstance(getattr(err, "kind", None), str) else None
-            return CallFailure(kind or "exception", _short(f"{method} raised {type(err).__name__}: {err}"))
+            kind = getattr(err, "kind", None)  # envs.trl_env.EnvironmentFailure says which kind of failure it is
+            kind = kind if isinstance(kind, str) and kind else "exception"
+            return CallFailure(kind, _short(f"{method} raised {type(err).__name__}: {err}"))
         try:
             result = sanitize_result(raw, self.max_observation_chars)
         except ValueError as err:
