@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,11 +18,13 @@ from bipace_trainer.rollout.loop import (
     Generation,
     InlineEnvRunner,
     PromptCounter,
+    Rollout,
     RolloutSettings,
     TaskRef,
     TextEnvAdapter,
     run_rollouts,
 )
+from bipace_trainer.rollout.vllm_backend import PrefixCacheCounter
 from envs.vector import VectorEnv
 
 
@@ -155,6 +158,29 @@ def test_prompt_counts_see_a_groups_copies_and_the_history_that_only_grew():
     assert counter.counts["prompt_tokens"] == 9 and counter.counts["prompt_tokens_shared"] == 6
     counter.add([0], Generation([[1, 2, 3, 9, 5]], [[6]], ["b"]))  # episode 0's next prompt extends its last turn
     assert counter.counts["prompt_tokens_prefix_of_previous"] == 4
+
+
+def test_the_prefix_cache_counter_reads_what_vllm_reused_from_each_generate_call():
+    class Engine:  # what the counter sees of vLLM's `LLM`: generate → RequestOutputs
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def generate(self, prompts, sampling_params=None, use_tqdm=False):
+            return self.outputs.pop(0)
+
+    def output(prompt_length, cached):
+        return SimpleNamespace(prompt_token_ids=list(range(prompt_length)), num_cached_tokens=cached)
+
+    engine = Engine([[output(10, 0), output(10, 8)], [output(12, 12), output(5, None)]])
+    counter = PrefixCacheCounter(engine)
+    assert engine.generate([]) == [output(10, 0), output(10, 8)]  # the wrapped call returns vLLM's outputs
+    assert counter.take() == {"prompt_tokens_encoded": 12, "prompt_tokens_reused": 8}
+    engine.generate([])  # a fully cached prompt; an engine without prefix caching reports None
+    assert counter.take() == {"prompt_tokens_encoded": 5, "prompt_tokens_reused": 12}
+    assert counter.take() == {"prompt_tokens_encoded": 0, "prompt_tokens_reused": 0}
+    rollout = Rollout([], [], {}, prompt_counts={"prompt_tokens": 17, "prompt_tokens_encoded": 5, "prompt_tokens_reused": 12})
+    assert rollout.metrics()["rollout/prefix_cache_hit_rate"] == 12 / 17
+    assert PrefixCacheCounter.for_generation(SimpleNamespace(mode="server", llm=None)) is None
 
 
 def test_an_adapter_error_in_the_env_thread_reaches_the_caller():

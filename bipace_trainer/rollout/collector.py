@@ -40,7 +40,7 @@ from . import trajectories
 from .hidden import PrefillCapture, forward_hidden_states
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .tool_envs import ToolEnvAdapter, ToolSession
-from .vllm_backend import WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
+from .vllm_backend import PrefixCacheCounter, WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -64,6 +64,7 @@ SUMMED_OVER_RANKS = (
     "episode/steps", "episode/env_failures", "episode/padded_rows", "env/steps", "env/failures", "env/failures/",
     "train/masked_failed_episodes", "train/masked_failed_steps",
     "rollout/prompt_tokens", "rollout/prompt_tokens_shared", "rollout/prompt_tokens_prefix_of_previous",
+    "rollout/prompt_tokens_encoded", "rollout/prompt_tokens_reused",
 )
 _DUMMY_PROMPT = [{"role": "user", "content": "."}]
 
@@ -239,10 +240,11 @@ class RolloutCollector:
                 "rollout_mode='continuous' cannot run under ZeRO-3 or FSDP (every rank must run each forward "
                 "together, and continuous ranks make their calls independently); set rollout_mode='lockstep'."
             )
-        self.weight_syncs = None
+        self.weight_syncs = self.prefix_cache = None
         if trainer.use_vllm:
             install_cpu_weight_loading(trainer.vllm_generation)
             self.weight_syncs = WeightSyncs(trainer.vllm_generation)
+            self.prefix_cache = PrefixCacheCounter.for_generation(trainer.vllm_generation)
         self.envs: dict[str, VectorEnv] = {}
         self.resumed_env_counters: dict[str, Any] | None = None  # added to the next train VectorEnv
         self.train_generations = self.healthy_generations = self.all_failed_streak = 0
@@ -388,14 +390,27 @@ class RolloutCollector:
             # Continuous ranks play on their own, unless generation gathers across ranks (vLLM):
             # then every rank makes the same number of calls.
             collective = self.settings.mode == "lockstep" or trainer.use_vllm
+            if self.prefix_cache is not None:
+                self.prefix_cache.take()  # what calls outside rollouts (scoring probes) left
             with self._turn_progress(name, len(tasks)) as on_turn:
                 rollout = run_rollouts(
                     envs, tasks, self.generate_turn, self.settings, sync=self.sync if collective else LocalSync(),
                     traj_offset=traj_offset, on_turn=on_turn, adapter=self.source.adapter(self.settings),
                 )
+        rollout.prompt_counts.update(self._prefix_reuse(rollout))
         if name == "train":
             self._stop_if_every_env_failed(rollout)
         return rollout
+
+    def _prefix_reuse(self, rollout: Rollout) -> dict[str, int]:
+        """Prompt tokens the engine encoded vs reused from a cache in this rollout: vLLM colocate
+        reads its prefix cache back (`PrefixCacheCounter`, dummy calls included); HF `generate`
+        prefills every prompt token (nothing reused); vLLM server mode reports nothing."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.take()
+        if self.trainer.use_vllm:
+            return {}
+        return {"prompt_tokens_encoded": rollout.prompt_counts.get("prompt_tokens", 0), "prompt_tokens_reused": 0}
 
     @contextlib.contextmanager
     def _turn_progress(self, name: str, num_envs: int):

@@ -237,6 +237,10 @@ class Rollout:
             out["rollout/engine_idle_share"] = min(max(1.0 - busy / wall, 0.0), 1.0)
             out["rollout/env_wait_share"] = min(self.seconds.get("env_wait", 0.0) / wall, 1.0)
         out.update({f"rollout/{name}": float(value) for name, value in self.prompt_counts.items()})
+        if "prompt_tokens_reused" in self.prompt_counts:  # the engine said what it reused (collector)
+            reused = self.prompt_counts["prompt_tokens_reused"]
+            total = reused + self.prompt_counts.get("prompt_tokens_encoded", 0)
+            out["rollout/prefix_cache_hit_rate"] = reused / total if total else 0.0
         out.update(self.reward_metrics)
         return out
 

@@ -19,6 +19,10 @@ of TRL's assumptions need help, and the training batch needs what TRL builds inl
   per-parameter `model.load_weights` fails ("'Parameter' object has no attribute
   'weight_loader'"); `model_runner.reload_weights(weights_iterator=...)` loads a full
   checkpoint-format iterator through the same packing and works.
+- `PrefixCacheCounter`: vLLM's prefix cache (on by default in the V1 engine) encodes a shared
+  prefix once; each request's output says how many of its prompt tokens came from the cache
+  (`RequestOutput.num_cached_tokens`), and TRL drops that number. The counter reads it back
+  from every colocate generate call, so a rollout logs prompt tokens encoded vs reused.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = [
     "equal_prompt_counts",
     "WeightSyncs",
     "install_cpu_weight_loading",
+    "PrefixCacheCounter",
 ]
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -165,6 +170,49 @@ def install_cpu_weight_loading(vllm_generation) -> bool:
 
     vllm_generation.sync_weights = types.MethodType(sync_weights, vllm_generation)
     return True
+
+
+class PrefixCacheCounter:
+    """Prompt tokens vLLM encoded and reused from its prefix cache, over colocate generate calls.
+
+    Wraps this engine's `LLM.generate` (TRL's colocate path calls it once per turn) and adds
+    up, per request, `len(prompt_token_ids) - num_cached_tokens` (encoded) and
+    `num_cached_tokens` (reused: their KV came from the cache). `take()` returns the tallies
+    since the last `take()` as `prompt_tokens_encoded` / `prompt_tokens_reused` and starts
+    again. Server mode has no engine in this process: TRL's server answers with token ids
+    only, so there is nothing to read (`for_generation` returns None). With tensor parallelism
+    every rank of a group generates the whole group's prompts, so its tallies are the group's.
+    """
+
+    def __init__(self, llm):
+        self.encoded = 0
+        self.reused = 0
+        generate = llm.generate
+
+        def counted(*args, **kwargs):
+            outputs = generate(*args, **kwargs)
+            self.add(outputs)
+            return outputs
+
+        llm.generate = counted
+
+    @classmethod
+    def for_generation(cls, vllm_generation) -> "PrefixCacheCounter | None":
+        """A counter on the colocate engine of TRL's `vllm_generation`; None in server mode."""
+        llm = getattr(vllm_generation, "llm", None)
+        return cls(llm) if vllm_generation.mode == "colocate" and llm is not None else None
+
+    def add(self, outputs) -> None:
+        for output in outputs:
+            prompt = len(output.prompt_token_ids or ())
+            cached = min(int(getattr(output, "num_cached_tokens", None) or 0), prompt)
+            self.encoded += prompt - cached
+            self.reused += cached
+
+    def take(self) -> dict[str, int]:
+        counts = {"prompt_tokens_encoded": self.encoded, "prompt_tokens_reused": self.reused}
+        self.encoded = self.reused = 0
+        return counts
 
 
 def engine_logprobs(vllm_generation, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:

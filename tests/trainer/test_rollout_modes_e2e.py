@@ -46,6 +46,11 @@ def test_two_training_steps_with_continuous_rollouts(warm_policy, tmp_path):
     for key in ("rollout/engine_idle_share", "rollout/env_wait_share", "rollout/prompt_tokens",
                 "rollout/prompt_tokens_shared", "eval/success_rate"):
         assert key in logged, key
+    # HF generate prefills every prompt token: all encoded, none reused
+    for entry in trainer.state.log_history:
+        if "rollout/prompt_tokens" in entry:
+            assert entry["rollout/prompt_tokens_encoded"] == entry["rollout/prompt_tokens"] > 0
+            assert entry["rollout/prompt_tokens_reused"] == 0 and entry["rollout/prefix_cache_hit_rate"] == 0
 
 
 @pytest.mark.slow

@@ -72,6 +72,17 @@ def test_the_loss_runs_with_the_importance_sampling_correction(engine_run):
 
 
 @pytest.mark.slow
+def test_the_prefix_cache_hit_rate_is_read_back_from_the_engine(engine_run):
+    # every prompt token is either encoded or reused (the engine's counts: a turn's dummy
+    # prompts included, so at least what the rollout sent), and later turns reuse the KV of
+    # the prefix their episode's earlier turn left in the cache
+    for entry in engine_run["prefix_cache"]:
+        encoded, reused = entry["rollout/prompt_tokens_encoded"], entry["rollout/prompt_tokens_reused"]
+        assert encoded + reused >= entry["rollout/prompt_tokens"] > 0
+        assert reused > 0 and entry["rollout/prefix_cache_hit_rate"] == pytest.approx(reused / (encoded + reused))
+
+
+@pytest.mark.slow
 def test_hidden_states_come_from_the_old_logprob_pass(engine_run):
     for generation in engine_run["generations"]:
         assert generation["all_steps_have_hidden"]

@@ -149,6 +149,11 @@ def main() -> None:
         "weight_syncs": [e["vllm/weight_syncs"] for e in logs if "vllm/weight_syncs" in e],
         "generate_calls": [e.get("time/generate_s") is not None for e in logs],
         "is_metrics": [{k: v for k, v in e.items() if k.startswith("sampling/")} for e in logs if "vllm/weight_syncs" in e],
+        "prefix_cache": [
+            {k: e[k] for k in ("rollout/prompt_tokens", "rollout/prompt_tokens_encoded", "rollout/prompt_tokens_reused",
+                               "rollout/prefix_cache_hit_rate")}
+            for e in logs if "vllm/weight_syncs" in e
+        ],
         "probe": {
             "engine_after": engine_after, "trainer_after": trained,
             "trainer_pushed": pushed, "engine_stale": engine_stale, "engine_pushed": engine_pushed,
