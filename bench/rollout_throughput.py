@@ -89,7 +89,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--sequential-episodes", type=int, default=8, help="episodes played one at a time")
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats per B (median)")
-    parser.add_argument("--vllm", action="store_true", help="also time the lockstep rollout generating with vLLM")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also time the lockstep rollout generating with vLLM (with --modes-only: compare the modes on vLLM)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=None,
                         help="engine dtypes to time with --vllm (default: float32 and bfloat16 on a CPU, auto on CUDA)")
     parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
@@ -300,6 +301,9 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
     """One rollout of `tasks` in `mode`, calls of at most `batch_size` (0: all)."""
     settings = dataclasses.replace(trainer.collector.settings, mode=mode, rollout_batch_size=batch_size)
     envs = VectorEnv(env, len(tasks), backend="serial")
+    prefix_cache = trainer.collector.prefix_cache  # vLLM colocate: what its prefix cache reused
+    if prefix_cache is not None:
+        prefix_cache.take()
     try:
         with PeakRSS() as rss:
             start = time.perf_counter()
@@ -322,7 +326,13 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
         "prompt_tokens_shared": metrics["rollout/prompt_tokens_shared"],
         "prompt_tokens_prefix_of_previous": metrics["rollout/prompt_tokens_prefix_of_previous"],
         "peak_rss_bytes": rss.peak,
+        **(_hit_rate(prefix_cache.take()) if prefix_cache is not None else {}),
     }
+
+
+def _hit_rate(counts: dict[str, int]) -> dict[str, float]:
+    total = counts["prompt_tokens_encoded"] + counts["prompt_tokens_reused"]
+    return {**counts, "prefix_cache_hit_rate": counts["prompt_tokens_reused"] / total if total else 0.0}
 
 
 def compare_modes(trainer, args) -> list[dict]:
@@ -363,7 +373,8 @@ def report_modes(rows) -> None:
             run = row[name]
             print(f"{row['env']:>10}{row['episodes']:>5}{name:>18}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
                   f"{run['tokens_per_s']:>9,.0f}{run['engine_idle_share']:>7.1%}{run['env_wait_share']:>9.1%}"
-                  f"{run['peak_rss_bytes'] / 2**20:>8,.0f}")
+                  f"{run['peak_rss_bytes'] / 2**20:>8,.0f}"
+                  + (f"  prefix cache hit {run['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in run else ""))
         print(f"{'':>15}continuous/lockstep(all) {row['ratio_continuous_vs_lockstep_all']:.2f}, "
               f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}")
 
@@ -561,12 +572,18 @@ def main(argv=None):
     torch.manual_seed(0)
     model, tokenizer = load_policy(args)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = make_trainer(model, tokenizer, args, output_dir)
+        if args.modes_only and args.vllm:  # the modes compared with generation through vLLM (colocate)
+            with engine_dtype(args.vllm_dtypes[0]):
+                trainer = make_trainer(model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate",
+                                       vllm_max_model_length=4096)
+        else:
+            trainer = make_trainer(model, tokenizer, args, output_dir)
         modes = compare_modes(trainer, args)
         report_modes(modes)
         if args.modes_only:
             trainer.close_envs()
             result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
+                      "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
                       "machine": common.machine(), "median_of": args.repeats}
             common.write_json(args.out, result)
