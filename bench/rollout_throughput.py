@@ -573,6 +573,9 @@ def main(argv=None):
     model, tokenizer = load_policy(args)
     with tempfile.TemporaryDirectory() as output_dir:
         if args.modes_only and args.vllm:  # the modes compared with generation through vLLM (colocate)
+            model.save_pretrained(Path(output_dir) / "policy")  # the engine loads the weights from a path
+            tokenizer.save_pretrained(Path(output_dir) / "policy")
+            model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
             with engine_dtype(args.vllm_dtypes[0]):
                 trainer = make_trainer(model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate",
                                        vllm_max_model_length=4096)
