@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import weakref
 import torch
 
 __all__ = [
@@ -187,10 +188,12 @@ class PrefixCacheCounter:
     def __init__(self, llm):
         self.encoded = 0
         self.reused = 0
-        generate = llm.generate
+        # The wrapper lives on the engine, so it holds the engine weakly and its method unbound:
+        # a reference cycle would keep a freed engine (and its memory) alive until a gc pass.
+        generate, engine = type(llm).generate, weakref.ref(llm)
 
         def counted(*args, **kwargs):
-            outputs = generate(*args, **kwargs)
+            outputs = generate(engine(), *args, **kwargs)
             self.add(outputs)
             return outputs
 
