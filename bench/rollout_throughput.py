@@ -311,6 +311,8 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
             seconds = time.perf_counter() - start
     finally:
         envs.close()
+    if prefix_cache is not None:  # as the collector adds them to a training rollout's counts
+        rollout.prompt_counts.update(prefix_cache.take())
     metrics = rollout.metrics()
     return {
         "seconds": seconds,
@@ -326,13 +328,9 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
         "prompt_tokens_shared": metrics["rollout/prompt_tokens_shared"],
         "prompt_tokens_prefix_of_previous": metrics["rollout/prompt_tokens_prefix_of_previous"],
         "peak_rss_bytes": rss.peak,
-        **(_hit_rate(prefix_cache.take()) if prefix_cache is not None else {}),
+        **{name: metrics[f"rollout/{name}"] for name in ("prompt_tokens_encoded", "prompt_tokens_reused",
+                                                           "prefix_cache_hit_rate") if f"rollout/{name}" in metrics},
     }
-
-
-def _hit_rate(counts: dict[str, int]) -> dict[str, float]:
-    total = counts["prompt_tokens_encoded"] + counts["prompt_tokens_reused"]
-    return {**counts, "prefix_cache_hit_rate": counts["prompt_tokens_reused"] / total if total else 0.0}
 
 
 def compare_modes(trainer, args) -> list[dict]:
