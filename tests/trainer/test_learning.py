@@ -32,8 +32,11 @@ def test_success_rises_above_its_start(preset, warm_policy, tmp_path):
         eval_tasks=0,
         eval_rollouts_per_task=8,
         # at 1e-3 bipace_q rose to 0.875 by step 12, then collapsed into invalid replies (eval 0.0),
-        # at 79a1f41 too, with transformers 5.24; at 5e-4 both presets reach >= 0.975
-        learning_rate=5e-4,
+        # at 79a1f41 too, with transformers 5.24. At 5e-4 it reached >= 0.95 under seeds 0-9 run alone,
+        # but inside the whole suite in CI (12-03, AVX2) the same seed fell from 0.7 to 0.575: float-level
+        # differences from the process's history, amplified by a step size near the edge. At 3e-4
+        # (seeds 0-3, both presets) the gain is 0.20-0.40, the dynamics slower and further from collapse.
+        learning_rate=3e-4,
         lr_scheduler_type="constant",
         logging_steps=4,
     )
