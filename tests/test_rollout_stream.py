@@ -223,3 +223,44 @@ def test_the_stream_counts_prompts_by_submission_and_reports_every_turn():
     # the 4 copies of one task's first prompt entered together: 3 of them are shared
     assert counts["prompt_tokens_shared"] >= 3 * len(rollout.steps[0].prompt_ids)
     assert turns == sorted(set(turns)) and turns[0] == 0 and turns[-1] <= 2
+
+
+def test_the_collector_streams_continuous_only_on_vllm_colocate_without_tensor_parallelism():
+    from types import SimpleNamespace
+
+    from bipace_trainer.rollout.collector import RolloutCollector
+    from bipace_trainer.rollout.vllm_stream import StreamTurns
+
+    class Engine:  # what the collector's wrappers touch of TRL's colocated `LLM`
+        def generate(self, *args, **kwargs):
+            return []
+
+    def collector(mode, vllm_mode="colocate", tp=1, use_vllm=True):
+        args = SimpleNamespace(max_turns=2, history_length=1, rollout_batch_size=0, require_think=False, action_key_tokens=0,
+                               rollout_mode=mode, vllm_mode=vllm_mode, vllm_tensor_parallel_size=tp, hidden_capture="hook")
+        runner = SimpleNamespace(device=SimpleNamespace(type="cuda"))  # not the CPU build: no weight shim
+        llm = Engine()
+        llm.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
+        generation = SimpleNamespace(mode=vllm_mode, llm=llm, sync_weights=lambda: None, tensor_parallel_size=tp)
+        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), num_processes=2)
+        trainer = SimpleNamespace(args=args, accelerator=accelerator, use_vllm=use_vllm, vllm_generation=generation,
+                                  is_fsdp_enabled=False, model=SimpleNamespace(training=True))
+        return RolloutCollector(trainer, SimpleNamespace(env_class=None), needs_hidden=False)
+
+    streamed = collector("continuous")
+    assert streamed.streams and isinstance(streamed.generator("train"), StreamTurns)
+    assert isinstance(streamed.generator("train"), StreamingGenerator)
+    assert streamed.generator("train", mode="lockstep") == streamed.generate_turn
+    for plain in (collector("lockstep"), collector("continuous", tp=2), collector("continuous", vllm_mode="server"),
+                  collector("continuous", use_vllm=False)):
+        assert not plain.streams and plain.generator("train") == plain.generate_turn
+    assert collector("lockstep").generator("eval", mode="continuous") != collector("lockstep").generate_turn  # the bench's
+
+
+def test_request_seeds_are_stable_and_distinct():
+    from bipace_trainer.rollout.vllm_stream import request_seed
+
+    seeds = {request_seed(0, step, name, traj, turn) for step in (0, 1) for name in ("train", "eval")
+             for traj in range(8) for turn in range(4)}
+    assert len(seeds) == 2 * 2 * 8 * 4 and all(0 <= s < 2**63 for s in seeds)
+    assert request_seed(0, 1, "train", 3, 2) == 1504704514337113322  # the same in every process and run

@@ -7,7 +7,8 @@
     collector.record(rollout, estimate)                            # completions table, rollout dumps
 
 It owns what a rollout needs of the trainer: generation per turn through TRL's own
-`_generate_single_turn` (HF generate or vLLM) with the sampling temperature in force,
+`_generate_single_turn` (HF generate or vLLM; continuous mode on vLLM colocate streams
+requests through the engine instead, `vllm_stream`) with the sampling temperature in force,
 the actor's hidden states when the estimator needs them (`hidden`), one `VectorEnv` per
 use ("train", "eval") kept across generations, the rollout loop (`rollout.run_rollouts`,
 lockstep or continuous per `rollout_mode`) with cross-rank reductions, the progress bar,
@@ -245,9 +246,8 @@ class RolloutCollector:
         # Continuous under vLLM colocate goes through the engine's own continuous batching
         # (`vllm_stream`); server mode and colocate with tensor parallelism (TRL gathers a
         # call's prompts over the TP group) stay call by call.
-        self.streams = bool(
+        self.can_stream = bool(
             trainer.use_vllm
-            and args.rollout_mode == "continuous"
             and getattr(args, "vllm_mode", None) == "colocate"
             and getattr(args, "vllm_tensor_parallel_size", 1) == 1
         )
@@ -334,10 +334,16 @@ class RolloutCollector:
         logprobs = [list(lp) for lp in logprobs[:count]] if logprobs is not None else None
         return Generation(prompt_ids[:count], completion_ids, texts, hidden, logprobs, hidden_seconds)
 
-    def generator(self, name: str):
-        """What `run_rollouts` generates with: `generate_turn`, or under vLLM colocate in
-        continuous mode (`streams`) a `StreamTurns` over the engine for this rollout."""
-        if not self.streams:
+    @property
+    def streams(self) -> bool:
+        """Whether rollouts go through the engine's own continuous batching (`vllm_stream`):
+        continuous mode on vLLM colocate without tensor parallelism."""
+        return self.can_stream and self.settings.mode == "continuous"
+
+    def generator(self, name: str, mode: str | None = None):
+        """What `run_rollouts` generates with in `mode` (default: `rollout_mode`): `generate_turn`,
+        or for continuous on vLLM colocate (`can_stream`) a `StreamTurns` over the engine."""
+        if not (self.can_stream and (mode or self.settings.mode) == "continuous"):
             return self.generate_turn
         trainer, args = self.trainer, self.trainer.args
         wants_forward = self.needs_hidden and trainer.model.training and args.hidden_capture == "forward"
