@@ -8,7 +8,6 @@ tests/vllm/ (slow)."""
 from __future__ import annotations
 
 import random
-import re
 import time
 
 import pytest
@@ -264,3 +263,59 @@ def test_request_seeds_are_stable_and_distinct():
              for traj in range(8) for turn in range(4)}
     assert len(seeds) == 2 * 2 * 8 * 4 and all(0 <= s < 2**63 for s in seeds)
     assert request_seed(0, 1, "train", 3, 2) == 1504704514337113322  # the same in every process and run
+
+
+class CallStream(FakeStream):
+    """A `Generator` played as a stream: its reply to a request is made at submit (with the
+    request's environment, as StreamTurns tokenizes with it) and leaves after `length(key)` steps."""
+
+    def __init__(self, generate, length):
+        super().__init__(length=length)
+        self.generate = generate
+
+    def submit(self, keys, messages, environments=None):
+        self.log.append((self.steps, list(keys)))
+        out = self.generate(messages, environments)
+        for j, key in enumerate(keys):
+            self.queue.append([key, out.prompt_ids[j], out.texts[j], self.length(key), out.completion_ids[j]])
+        return out.prompt_ids
+
+    def step(self):
+        self.steps += 1
+        done = [r for r in self.queue if r[3] <= 1]
+        for r in self.queue:
+            r[3] -= 1
+        self.queue = [r for r in self.queue if r[3] > 0]
+        return [r[0] for r in done], Generation([r[1] for r in done], [r[4] for r in done], [r[2] for r in done])
+
+
+def test_trls_tool_envs_stream_the_same_chats_as_lockstep():
+    """`ToolEnvAdapter` (TRL's environment_factory) through the stream: each prompt rendered with
+    its episode's tool schema, the same steps, rewards and episodes as lockstep."""
+    import functools
+
+    from trl.chat_template_utils import add_response_schema
+
+    from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
+    from tests.test_tool_envs import call, fake_trainer, rows, scripted
+    from tests.trainer.tool_setup import Lamps, make_tokenizer
+
+    tokenizer = add_response_schema(make_tokenizer())
+    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_b"), "Done."], [call("flip_a", "flip_b"), "Done."],
+               [call("flip_a"), call("flip_a"), call("flip_b"), "Done."], ["Done."]]
+    played = {}
+    for mode in ("lockstep", "continuous"):
+        trainer = fake_trainer(tokenizer, Lamps)
+        generate = scripted(tokenizer, trainer, scripts)
+        if mode == "continuous":
+            generate = CallStream(generate, length=lambda key: 1 + (key[0] * 7 + key[1]) % 3)
+        tasks = [TaskRef(0, group=0, inputs=row) for row in rows(len(scripts))]
+        session = functools.partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
+        with VectorEnv(session, len(tasks), backend="thread", num_workers=2) as envs:
+            played[mode] = run_rollouts(envs, tasks, generate, RolloutSettings(max_turns=5, mode=mode),
+                                        adapter=ToolEnvAdapter(trainer, num_user_reward_funcs=0))
+    fields = lambda s: (s.traj, s.t, s.prompt_ids, s.completion_ids, s.action, s.anchor, s.reward, s.action_key)  # noqa: E731
+    assert [fields(s) for s in played["lockstep"].steps] == [fields(s) for s in played["continuous"].steps]
+    assert [vars(e) for e in played["lockstep"].episodes] == [vars(e) for e in played["continuous"].episodes]
+    assert played["continuous"].engine_steps > 0 and [e.length for e in played["continuous"].episodes] == [3, 2, 2, 4, 1]
+    assert [e.reward for e in played["continuous"].episodes] == [1.0, 0.5, 1.0, 0.5, 0.0]

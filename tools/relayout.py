@@ -89,7 +89,9 @@ rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for 
 import importlib as _importlib
 import warnings as _warnings
 
-_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching", "trajectories"}
+_SUBMODULES = {
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching", "trajectories",
+}
 
 
 def __getattr__(name):

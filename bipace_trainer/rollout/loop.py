@@ -43,8 +43,8 @@ and each reply leaves it when it is done, not when the longest reply of its call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -810,7 +810,8 @@ def _continuous_stream(envs, generate, settings, sync, adapter, play, counter, s
             if finished:
                 state.send(actions, rows)
     except BaseException:
-        generate.abort()  # the engine must not keep this rollout's requests for the next one
+        with contextlib.suppress(Exception):  # the first error is the one to raise
+            generate.abort()  # the engine must not keep this rollout's requests for the next one
         raise
     finally:
         state.close()
