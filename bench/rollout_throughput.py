@@ -93,6 +93,9 @@ def parse_args(argv=None):
                         help="also time the lockstep rollout generating with vLLM (with --modes-only: compare the modes on vLLM)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=None,
                         help="engine dtypes to time with --vllm (default: float32 and bfloat16 on a CPU, auto on CUDA)")
+    parser.add_argument("--vllm-max-num-seqs", type=int, default=2,
+                        help="with --modes-only --vllm: sequences the engine decodes at once (TRL: per_device_train_batch_size"
+                             " x steps_per_generation; the bench's trainer has 2); an even number")
     parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
     parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
     parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
@@ -126,14 +129,16 @@ def load_policy(args):
     return common.tiny_model(tokenizer, hidden_size=64, layers=2, **heads), tokenizer
 
 
-def make_trainer(model, tokenizer, args, output_dir, **vllm) -> BiPACETrainer:
+def make_trainer(model, tokenizer, args, output_dir, batch_size: int = 2, **vllm) -> BiPACETrainer:
+    """The bench's trainer. `batch_size` is also what TRL's colocated engine may decode at once
+    (`max_num_seqs` = per_device_train_batch_size x steps_per_generation)."""
     config = BiPACEConfig(
         output_dir=output_dir,
         env_name=args.env,
         preset="grpo",  # no hidden-state capture: generation alone, as TRL's GRPO does it
         num_generations=2,
-        tasks_per_iteration=1,
-        per_device_train_batch_size=2,
+        tasks_per_iteration=max(batch_size // 2, 1),  # a generation fills the batch (the bench never trains)
+        per_device_train_batch_size=batch_size,
         max_turns=args.max_turns,
         history_length=HISTORY_LENGTH,
         max_completion_length=args.max_completion_length,
@@ -592,7 +597,8 @@ def main(argv=None):
             tokenizer.save_pretrained(Path(output_dir) / "policy")
             model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
             with engine_dtype(args.vllm_dtypes[0]):
-                trainer = make_trainer(model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate",
+                trainer = make_trainer(model, tokenizer, args, output_dir, batch_size=args.vllm_max_num_seqs,
+                                       use_vllm=True, vllm_mode="colocate",
                                        vllm_max_model_length=4096)
         else:
             trainer = make_trainer(model, tokenizer, args, output_dir)
@@ -602,6 +608,7 @@ def main(argv=None):
             trainer.close_envs()
             result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
                       "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
+                      **({"vllm_max_num_seqs": args.vllm_max_num_seqs} if args.vllm else {}),
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
                       "machine": common.machine(), "median_of": args.repeats}
             common.write_json(args.out, result)
