@@ -93,6 +93,9 @@ def parse_args(argv=None):
                         help="also time the lockstep rollout generating with vLLM (with --modes-only: compare the modes on vLLM)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=None,
                         help="engine dtypes to time with --vllm (default: float32 and bfloat16 on a CPU, auto on CUDA)")
+    parser.add_argument("--vllm-max-num-seqs", type=int, default=2,
+                        help="with --modes-only --vllm: sequences the engine decodes at once (TRL: per_device_train_batch_size"
+                             " x steps_per_generation; the bench's trainer has 2); an even number")
     parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
     parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
     parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
@@ -102,7 +105,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="JSON path (default docs/results/rollout_throughput[_modes|_sim].json)")
     args = parser.parse_args(argv)
     if args.out is None:
-        suffix = "_sim" if args.simulate else "_modes" if args.modes_only else ""
+        suffix = "_sim" if args.simulate else ("_modes_vllm" if args.vllm else "_modes") if args.modes_only else ""
         args.out = str(common.ROOT / "docs" / "results" / f"rollout_throughput{suffix}.json")
     if args.vllm_dtypes is None:
         args.vllm_dtypes = ["float32", "bfloat16"] if args.device == "cpu" else ["auto"]
@@ -126,14 +129,16 @@ def load_policy(args):
     return common.tiny_model(tokenizer, hidden_size=64, layers=2, **heads), tokenizer
 
 
-def make_trainer(model, tokenizer, args, output_dir, **vllm) -> BiPACETrainer:
+def make_trainer(model, tokenizer, args, output_dir, batch_size: int = 2, **vllm) -> BiPACETrainer:
+    """The bench's trainer. `batch_size` is also what TRL's colocated engine may decode at once
+    (`max_num_seqs` = per_device_train_batch_size x steps_per_generation)."""
     config = BiPACEConfig(
         output_dir=output_dir,
         env_name=args.env,
         preset="grpo",  # no hidden-state capture: generation alone, as TRL's GRPO does it
         num_generations=2,
-        tasks_per_iteration=1,
-        per_device_train_batch_size=2,
+        tasks_per_iteration=max(batch_size // 2, 1),  # a generation fills the batch (the bench never trains)
+        per_device_train_batch_size=batch_size,
         max_turns=args.max_turns,
         history_length=HISTORY_LENGTH,
         max_completion_length=args.max_completion_length,
@@ -295,6 +300,13 @@ class PeakRSS:
 
 
 MODE_VARIANTS = (("lockstep", "all"), ("lockstep", "half"), ("continuous", "half"))
+# vLLM colocate streams continuous through its engine: there "all" (no cap on the requests in the
+# engine) is the natural setting, and it no longer degenerates into lockstep
+STREAM_VARIANTS = MODE_VARIANTS + (("continuous", "all"),)
+
+
+def mode_variants(trainer) -> tuple:
+    return STREAM_VARIANTS if trainer.collector.can_stream else MODE_VARIANTS
 
 
 def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
@@ -307,7 +319,8 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
     try:
         with PeakRSS() as rss:
             start = time.perf_counter()
-            rollout = run_rollouts(envs, tasks, trainer.collector.generate_turn, settings)
+            # continuous on vLLM colocate: through the engine's own continuous batching, as training
+            rollout = run_rollouts(envs, tasks, trainer.collector.generator("train", mode), settings)
             seconds = time.perf_counter() - start
     finally:
         envs.close()
@@ -319,7 +332,8 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
         "episodes": len(rollout.episodes),
         "steps": len(rollout.steps),
         "tokens": sum(len(step.completion_ids) for step in rollout.steps),
-        "generate_calls": rollout.generate_calls,
+        "generate_calls": rollout.generate_calls,  # engine steps when streamed (engine_steps > 0)
+        "engine_steps": rollout.engine_steps,
         "generate_s": rollout.seconds["generate"],
         "env_s": rollout.seconds["env"],
         "engine_idle_share": metrics["rollout/engine_idle_share"],
@@ -348,7 +362,8 @@ def compare_modes(trainer, args) -> list[dict]:
             play_mode(trainer, env, tasks, "lockstep", 0)  # warm-up: first-call costs out of the timings
             rounds = []
             for _ in range(args.repeats):
-                rounds.append({f"{mode}_{size}": play_mode(trainer, env, tasks, mode, sizes[size]) for mode, size in MODE_VARIANTS})
+                rounds.append({f"{mode}_{size}": play_mode(trainer, env, tasks, mode, sizes[size])
+                               for mode, size in mode_variants(trainer)})
             row = {"env": env, "episodes": count, "batch_sizes": sizes, "rounds": rounds}
             for name in rounds[0]:
                 run = median_of([r[name] for r in rounds])
@@ -359,22 +374,29 @@ def compare_modes(trainer, args) -> list[dict]:
                 ratios = [r["continuous_half"]["tokens"] / r["continuous_half"]["seconds"]
                           / (r[base]["tokens"] / r[base]["seconds"]) for r in rounds]
                 row[f"ratio_continuous_vs_{base}"] = statistics.median(ratios)
+            if "continuous_all" in rounds[0]:
+                row["ratio_continuous_all_vs_lockstep_all"] = statistics.median(
+                    r["continuous_all"]["tokens"] / r["continuous_all"]["seconds"]
+                    / (r["lockstep_all"]["tokens"] / r["lockstep_all"]["seconds"]) for r in rounds)
             rows.append(row)
     return rows
 
 
 def report_modes(rows) -> None:
-    print("\nlockstep against continuous (same tasks, alternating; continuous/lockstep: median of per-round tokens/s ratios)")
+    print("\nlockstep against continuous (same tasks, alternating; continuous/lockstep: median of per-round tokens/s ratios;"
+          " calls: engine steps where continuous streams through vLLM's engine)")
     print(f"{'env':>10}{'eps':>5}{'variant':>18}{'calls':>7}{'eps/s':>8}{'tok/s':>9}{'idle':>7}{'envwait':>9}{'RSS MB':>8}")
     for row in rows:
-        for name, _ in [(f"{m}_{s}", None) for m, s in MODE_VARIANTS]:
+        for name in [f"{m}_{s}" for m, s in STREAM_VARIANTS if f"{m}_{s}" in row]:
             run = row[name]
             print(f"{row['env']:>10}{row['episodes']:>5}{name:>18}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
                   f"{run['tokens_per_s']:>9,.0f}{run['engine_idle_share']:>7.1%}{run['env_wait_share']:>9.1%}"
                   f"{run['peak_rss_bytes'] / 2**20:>8,.0f}"
                   + (f"  prefix cache hit {run['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in run else ""))
         print(f"{'':>15}continuous/lockstep(all) {row['ratio_continuous_vs_lockstep_all']:.2f}, "
-              f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}")
+              f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}"
+              + (f", continuous(all)/lockstep(all) {row['ratio_continuous_all_vs_lockstep_all']:.2f}"
+                 if "ratio_continuous_all_vs_lockstep_all" in row else ""))
 
 
 @contextlib.contextmanager
@@ -575,7 +597,8 @@ def main(argv=None):
             tokenizer.save_pretrained(Path(output_dir) / "policy")
             model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
             with engine_dtype(args.vllm_dtypes[0]):
-                trainer = make_trainer(model, tokenizer, args, output_dir, use_vllm=True, vllm_mode="colocate",
+                trainer = make_trainer(model, tokenizer, args, output_dir, batch_size=args.vllm_max_num_seqs,
+                                       use_vllm=True, vllm_mode="colocate",
                                        vllm_max_model_length=4096)
         else:
             trainer = make_trainer(model, tokenizer, args, output_dir)
@@ -585,6 +608,7 @@ def main(argv=None):
             trainer.close_envs()
             result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
                       "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
+                      **({"vllm_max_num_seqs": args.vllm_max_num_seqs} if args.vllm else {}),
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
                       "machine": common.machine(), "median_of": args.repeats}
             common.write_json(args.out, result)

@@ -67,11 +67,12 @@ STAYS = {"__init__", "_old_paths", "config", "trainer", "models", "micro_batches
 SUBPACKAGE_DOCS = {
     "rollout": '''"""Playing episodes, and what each played step becomes: everything between an env and TRL's batch.
 
-    loop            run_rollouts: lockstep multi-turn rollouts → Rollout (StepRecord, Episode), TaskRef,
+    loop            run_rollouts: lockstep or continuous multi-turn rollouts → Rollout (StepRecord, Episode), TaskRef,
                     EnvAdapter / TextEnvAdapter (SPEC §1)
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
+    vllm_stream     the continuous rollout through vLLM's own continuous batching (colocate)
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
@@ -88,7 +89,9 @@ rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for 
 import importlib as _importlib
 import warnings as _warnings
 
-_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "hidden", "prompting", "actions", "batching", "trajectories"}
+_SUBMODULES = {
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching", "trajectories",
+}
 
 
 def __getattr__(name):
@@ -209,7 +212,8 @@ GENERATED = {f"{PACKAGE}/{name}/__init__.py" for name in SUBPACKAGE_DOCS} | {f"{
 SKIP = GENERATED | {"tools/relayout.py", "tests/test_layout.py"}  # these name the old paths on purpose
 OLD = {f"{PACKAGE}.{old}": f"{PACKAGE}.{new}" for old, new in MOVES.items()}
 PACKAGES = {f"{PACKAGE}.{name}" for name in SUBPACKAGE_DOCS}  # `bipace_trainer.rollout`: a real package now
-ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")}
+# the package's submodules: the moved ones, and those added since (never an old path)
+ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | {"vllm_stream"}
 
 
 def reference_patterns() -> list[tuple[re.Pattern, str]]:

@@ -1,10 +1,11 @@
 """Playing episodes, and what each played step becomes: everything between an env and TRL's batch.
 
-    loop            run_rollouts: lockstep multi-turn rollouts → Rollout (StepRecord, Episode), TaskRef,
+    loop            run_rollouts: lockstep or continuous multi-turn rollouts → Rollout (StepRecord, Episode), TaskRef,
                     EnvAdapter / TextEnvAdapter (SPEC §1)
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
+    vllm_stream     the continuous rollout through vLLM's own continuous batching (colocate)
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
@@ -21,7 +22,9 @@ rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for 
 import importlib as _importlib
 import warnings as _warnings
 
-_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "hidden", "prompting", "actions", "batching", "trajectories"}
+_SUBMODULES = {
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching", "trajectories",
+}
 
 
 def __getattr__(name):

@@ -7,7 +7,8 @@
     collector.record(rollout, estimate)                            # completions table, rollout dumps
 
 It owns what a rollout needs of the trainer: generation per turn through TRL's own
-`_generate_single_turn` (HF generate or vLLM) with the sampling temperature in force,
+`_generate_single_turn` (HF generate or vLLM; continuous mode on vLLM colocate streams
+requests through the engine instead, `vllm_stream`) with the sampling temperature in force,
 the actor's hidden states when the estimator needs them (`hidden`), one `VectorEnv` per
 use ("train", "eval") kept across generations, the rollout loop (`rollout.run_rollouts`,
 lockstep or continuous per `rollout_mode`) with cross-rank reductions, the progress bar,
@@ -41,6 +42,7 @@ from .hidden import PrefillCapture, forward_hidden_states
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .tool_envs import ToolEnvAdapter, ToolSession
 from .vllm_backend import PrefixCacheCounter, WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
+from .vllm_stream import StreamTurns
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -241,6 +243,14 @@ class RolloutCollector:
                 "together, and continuous ranks make their calls independently); set rollout_mode='lockstep'."
             )
         self.weight_syncs = self.prefix_cache = None
+        # Continuous under vLLM colocate goes through the engine's own continuous batching
+        # (`vllm_stream`); server mode and colocate with tensor parallelism (TRL gathers a
+        # call's prompts over the TP group) stay call by call.
+        self.can_stream = bool(
+            trainer.use_vllm
+            and getattr(args, "vllm_mode", None) == "colocate"
+            and getattr(args, "vllm_tensor_parallel_size", 1) == 1
+        )
         if trainer.use_vllm:
             install_cpu_weight_loading(trainer.vllm_generation)
             self.weight_syncs = WeightSyncs(trainer.vllm_generation)
@@ -324,6 +334,23 @@ class RolloutCollector:
         logprobs = [list(lp) for lp in logprobs[:count]] if logprobs is not None else None
         return Generation(prompt_ids[:count], completion_ids, texts, hidden, logprobs, hidden_seconds)
 
+    @property
+    def streams(self) -> bool:
+        """Whether rollouts go through the engine's own continuous batching (`vllm_stream`):
+        continuous mode on vLLM colocate without tensor parallelism."""
+        return self.can_stream and self.settings.mode == "continuous"
+
+    def generator(self, name: str, mode: str | None = None):
+        """What `run_rollouts` generates with in `mode` (default: `rollout_mode`): `generate_turn`,
+        or for continuous on vLLM colocate (`can_stream`) a `StreamTurns` over the engine."""
+        if not (self.can_stream and (mode or self.settings.mode) == "continuous"):
+            return self.generate_turn
+        trainer, args = self.trainer, self.trainer.args
+        wants_forward = self.needs_hidden and trainer.model.training and args.hidden_capture == "forward"
+        return StreamTurns(
+            trainer, self._tokenize, self.prefix_cache, name=name, hidden=self._forward_hidden if wants_forward else None
+        )
+
     def _dummy_environment(self) -> Hashable:
         factories = self.trainer.environment_factories
         return next(iter(factories)) if factories else None
@@ -387,14 +414,14 @@ class RolloutCollector:
         with self.weight_syncs.awake() if trainer.use_vllm else contextlib.nullcontext(False) as pushed:
             if pushed:  # sleep mode discarded the weights; they are the current step's again
                 trainer._last_loaded_step = trainer.state.global_step
-            # Continuous ranks play on their own, unless generation gathers across ranks (vLLM):
-            # then every rank makes the same number of calls.
-            collective = self.settings.mode == "lockstep" or trainer.use_vllm
+            # Continuous ranks play on their own, unless generation gathers across ranks (vLLM
+            # call by call): then every rank makes the same number of calls.
+            collective = self.settings.mode == "lockstep" or (trainer.use_vllm and not self.streams)
             if self.prefix_cache is not None:
                 self.prefix_cache.take()  # what calls outside rollouts (scoring probes) left
             with self._turn_progress(name, len(tasks)) as on_turn:
                 rollout = run_rollouts(
-                    envs, tasks, self.generate_turn, self.settings, sync=self.sync if collective else LocalSync(),
+                    envs, tasks, self.generator(name), self.settings, sync=self.sync if collective else LocalSync(),
                     traj_offset=traj_offset, on_turn=on_turn, adapter=self.source.adapter(self.settings),
                 )
         rollout.prompt_counts.update(self._prefix_reuse(rollout))

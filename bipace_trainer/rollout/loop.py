@@ -33,16 +33,22 @@ prompt across calls (HF `generate` prefills every prompt, copies included;
 `PromptCounter` counts what could be reused). Env steps then run on a worker thread: an
 engine that must stay on the main thread (the "serial" backend with `step_timeout=None`)
 needs lockstep.
+
+A generator with the streaming interface (`StreamingGenerator`: `submit` prompts, `step` an
+engine, e.g. `vllm_stream.StreamTurns` over vLLM colocate's engine) plays "continuous" at the
+engine level instead: each ready episode's prompt enters the engine as soon as it is ready,
+and each reply leaves it when it is done, not when the longest reply of its call is
+(`_continuous_stream`; see `run_rollouts`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -54,6 +60,8 @@ from .prompting import action_for_env, build_messages
 
 __all__ = [
     "Generation",
+    "Generator",
+    "StreamingGenerator",
     "StepRecord",
     "Episode",
     "Rollout",
@@ -94,6 +102,28 @@ class Generator(Protocol):
     adapter with `uses_tools`) names whose tool schema each prompt is rendered with."""
 
     def __call__(self, messages: list[list[dict[str, Any]]], environments: list[Hashable] | None = None) -> Generation: ...
+
+
+@runtime_checkable
+class StreamingGenerator(Protocol):
+    """Generation as a stream of requests rather than calls: `run_rollouts` plays "continuous"
+    through it at the engine level (`_continuous_stream`).
+
+    `submit(keys, messages, environments)` tokenizes the chat prompts and adds one request
+    per prompt (`keys[j]` = (trajectory id, turn): what seeds its sampling, so that a reply
+    does not depend on which requests share an engine step); it returns the prompt ids.
+    `step()` runs one engine step and returns the keys of the requests that finished in it
+    and their `Generation` (one row each, in the engine's order). `abort()` drops every
+    request still in the engine (the rollout failed and will not collect them).
+    `environments` is as for `Generator`."""
+
+    def submit(
+        self, keys: list[tuple[int, int]], messages: list[list[dict[str, Any]]], environments: list[Hashable] | None = None
+    ) -> list[list[int]]: ...
+
+    def step(self) -> tuple[list[tuple[int, int]], Generation]: ...
+
+    def abort(self) -> None: ...
 
 
 class LocalSync:
@@ -181,7 +211,8 @@ class Rollout:
     steps: list[StepRecord]
     episodes: list[Episode]
     seconds: dict[str, float]
-    generate_calls: int = 0
+    generate_calls: int = 0  # generate calls; through a StreamingGenerator, engine steps
+    engine_steps: int = 0  # engine steps of a StreamingGenerator (0: played by generate calls)
     reward_metrics: dict[str, float] = field(default_factory=dict)  # what reward functions logged (`log_metric`)
     prompt_counts: dict[str, int] = field(default_factory=dict)  # PromptCounter's tallies over the generate calls
 
@@ -236,6 +267,8 @@ class Rollout:
             busy = self.seconds.get("generate", 0.0) + self.seconds.get("hidden", 0.0)
             out["rollout/engine_idle_share"] = min(max(1.0 - busy / wall, 0.0), 1.0)
             out["rollout/env_wait_share"] = min(self.seconds.get("env_wait", 0.0) / wall, 1.0)
+        if self.engine_steps:  # played through the engine's own continuous batching
+            out["rollout/engine_steps"] = float(self.engine_steps)
         out.update({f"rollout/{name}": float(value) for name, value in self.prompt_counts.items()})
         if "prompt_tokens_reused" in self.prompt_counts:  # the engine said what it reused (collector)
             reused = self.prompt_counts["prompt_tokens_reused"]
@@ -351,8 +384,19 @@ class PromptCounter:
         self.previous: dict[int, list[int]] = {}  # episode -> its last prompt + reply
 
     def add(self, episodes: Sequence[int], generation: Generation) -> None:
+        """One generate call: its prompts, then their replies."""
+        self.add_prompts(episodes, generation.prompt_ids)
+        self.add_replies(episodes, generation.prompt_ids, generation.completion_ids)
+
+    def add_replies(self, episodes: Sequence[int], prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]]) -> None:
+        """What each episode's next prompt may repeat: this prompt and its reply."""
+        for i, prompt, completion in zip(episodes, prompt_ids, completion_ids):
+            self.previous[i] = list(prompt) + list(completion)
+
+    def add_prompts(self, episodes: Sequence[int], prompt_ids: Sequence[list[int]]) -> None:
+        """Prompts sent together (one generate call, or one round of submissions to a stream)."""
         seen: set[tuple[int, ...]] = set()
-        for i, prompt, completion in zip(episodes, generation.prompt_ids, generation.completion_ids):
+        for i, prompt in zip(episodes, prompt_ids):
             key = tuple(prompt)
             self.counts["prompt_tokens"] += len(prompt)
             if key in seen:
@@ -366,7 +410,6 @@ class PromptCounter:
                         break
                     common += 1
                 self.counts["prompt_tokens_prefix_of_previous"] += common
-            self.previous[i] = list(prompt) + list(completion)
 
 
 class InlineEnvRunner:
@@ -486,10 +529,22 @@ def run_rollouts(
     dummy generation), for generation backends that gather across ranks (vLLM); a per-rank
     backend (HF `generate` under DDP) needs no `sync` in this mode.
 
+    "continuous" with a `StreamingGenerator` (an engine this process owns, e.g. vLLM
+    colocate): no calls at all. The ready episodes' prompts are submitted in (turn, index)
+    order, at most `rollout_batch_size` requests in the engine at once (0: no cap; the
+    engine's own `max_num_seqs` still bounds its batch); then one engine step runs, and the
+    episodes whose replies finished in it are parsed and sent to their envs in one
+    `adapter.step` on the worker thread. That env step is joined after the *next* engine
+    step (or at once when nothing else is in the engine), and its episodes are submitted
+    before the one after: which requests share an engine step depends only on the replies,
+    never on thread timing. `Rollout.generate_calls` and `engine_steps` are then the engine
+    steps run; `sync` is not used (every rank's engine is its own).
+
     Args:
         envs: a `VectorEnv` (or anything with the same reset/step contract).
         tasks: one `TaskRef` per env; rollouts of one task share its `group`.
-        generate: maps a list of chat messages to a `Generation` (`Generator`).
+        generate: maps a list of chat messages to a `Generation` (`Generator`), or a
+            `StreamingGenerator` ("continuous" only).
         settings: turn budget, history window, parsing options, `mode`.
         sync: cross-rank reductions (`LocalSync` for one process).
         traj_offset: first trajectory id (keeps ids unique across calls or ranks).
@@ -525,14 +580,21 @@ def run_rollouts(
             episodes[i].won = result.won  # solved at reset: a success in zero steps
     play = _Play(tasks, episodes, current, done)
     counter = PromptCounter()
-    loop = _lockstep if settings.mode == "lockstep" else _continuous
+    streaming = isinstance(generate, StreamingGenerator)
+    if streaming and settings.mode != "continuous":
+        raise ValueError(
+            f"rollout_mode={settings.mode!r} needs a generate callable; a StreamingGenerator plays "
+            "rollout_mode='continuous' only."
+        )
+    loop = _lockstep if settings.mode == "lockstep" else _continuous_stream if streaming else _continuous
     generate_calls = loop(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner)
     for i in range(n):
         if not done[i]:
             episodes[i].truncated = True
     seconds["rollout"] = clock() - rollout_start
     rollout = Rollout(
-        steps=play.steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls, prompt_counts=counter.counts
+        steps=play.steps, episodes=episodes, seconds=seconds, generate_calls=generate_calls, prompt_counts=counter.counts,
+        engine_steps=generate_calls if streaming else 0,
     )
     if n:
         start = clock()
@@ -598,78 +660,160 @@ def _lockstep(envs, generate, settings, sync, adapter, play, counter, seconds, c
     return generate_calls
 
 
-def _continuous(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner) -> int:
-    done, n = play.done, len(play.done)
-    runner = env_runner if env_runner is not None else ThreadEnvRunner()
-    turn = [0] * n
-    ready = [i for i in range(n) if not done[i]]
-    in_flight = None  # (handle, the batch's records) of the env step running now
-    generate_calls = 0
-    reported = -1  # the last turn every episode has finished (for on_turn)
+class _Episodes:
+    """What both continuous loops track per episode: its turn, the ready queue, the one env
+    step in flight on the runner, and which turns every episode has finished (`on_turn`)."""
 
-    def step_batch(actions):
-        start = clock()
-        results = adapter.step(envs, actions)
-        return results, clock() - start
+    def __init__(self, envs, adapter, settings, play, seconds, clock, on_turn, env_runner):
+        self.envs, self.adapter, self.settings, self.play = envs, adapter, settings, play
+        self.seconds, self.clock, self.on_turn = seconds, clock, on_turn
+        self.runner = env_runner if env_runner is not None else ThreadEnvRunner()
+        n = len(play.done)
+        self.turn = [0] * n
+        self.ready = [i for i in range(n) if not play.done[i]]
+        self.in_flight = None  # (handle, the batch's records) of the env step running now
+        self.reported = -1  # the last turn every episode has finished (for on_turn)
 
-    def land(flight) -> None:
-        handle, batch = flight
-        start = clock()
-        results, env_seconds = runner.result(handle)
-        seconds["env_wait"] += clock() - start
-        seconds["env"] += env_seconds
-        for i, action, prompt_ids, completion_ids, text, hidden, logprobs in batch:
-            play.record(i, turn[i], results[i], action, prompt_ids, completion_ids, text, hidden, logprobs)
-            turn[i] += 1
-            if not done[i] and turn[i] < settings.max_turns:
-                ready.append(i)
+    def take_ready(self, count: int | None = None) -> list[int]:
+        """The first `count` ready episodes (None: all) in (turn, index) order, out of the queue."""
+        self.ready.sort(key=lambda i: (self.turn[i], i))
+        count = len(self.ready) if count is None else count
+        batch, self.ready[:] = self.ready[:count], self.ready[count:]
+        return batch
 
-    def report_turns() -> None:
-        nonlocal reported
-        if on_turn is None:
+    def records(self, batch, out: Generation, actions: list) -> list:
+        """Each reply of `out` (row j is episode batch[j]) parsed into actions[i]; the rows to record."""
+        rows = []
+        for j, i in enumerate(batch):
+            actions[i] = self.adapter.act(i, out.texts[j], out.prompt_ids[j], out.completion_ids[j])
+            hidden = out.hidden[j] if out.hidden is not None and len(out.hidden) else None
+            logprobs = out.logprobs[j] if out.logprobs is not None else None
+            rows.append((i, actions[i], out.prompt_ids[j], out.completion_ids[j], out.texts[j], hidden, logprobs))
+        return rows
+
+    def send(self, actions, rows) -> None:
+        """Step the envs of `rows` on the runner (nothing else may be in flight)."""
+        clock, adapter, envs = self.clock, self.adapter, self.envs
+
+        def step_batch():
+            start = clock()
+            results = adapter.step(envs, actions)
+            return results, clock() - start
+
+        self.in_flight = (self.runner.submit(step_batch), rows)
+
+    def land(self) -> None:
+        """Join the env step in flight: record its steps, queue the episodes that go on."""
+        if self.in_flight is None:
             return
-        playing = [turn[i] for i in range(n) if not done[i] and turn[i] < settings.max_turns]
-        finished = min(playing) - 1 if playing else settings.max_turns - 1
-        while reported < finished:
-            reported += 1
-            on_turn(reported, len(playing))
+        (handle, batch), self.in_flight = self.in_flight, None
+        start = self.clock()
+        results, env_seconds = self.runner.result(handle)
+        self.seconds["env_wait"] += self.clock() - start
+        self.seconds["env"] += env_seconds
+        turn, done = self.turn, self.play.done
+        for i, action, prompt_ids, completion_ids, text, hidden, logprobs in batch:
+            self.play.record(i, turn[i], results[i], action, prompt_ids, completion_ids, text, hidden, logprobs)
+            turn[i] += 1
+            if not done[i] and turn[i] < self.settings.max_turns:
+                self.ready.append(i)
+        self.report_turns()
 
+    def report_turns(self) -> None:
+        if self.on_turn is None:
+            return
+        turn, done, max_turns = self.turn, self.play.done, self.settings.max_turns
+        playing = [turn[i] for i in range(len(turn)) if not done[i] and turn[i] < max_turns]
+        finished = min(playing) - 1 if playing else max_turns - 1
+        while self.reported < finished:
+            self.reported += 1
+            self.on_turn(self.reported, len(playing))
+
+    def close(self) -> None:
+        """Let an env step still in flight (an error above) finish before the envs are reused."""
+        if self.in_flight is not None:
+            try:
+                self.runner.result(self.in_flight[0])
+            except Exception:  # noqa: BLE001 - the first error is the one to raise
+                pass
+            self.in_flight = None
+        self.runner.close()
+
+    def finish(self) -> None:
+        self.report_turns()
+        self.play.steps.sort(key=lambda s: (s.t, s.traj))  # lockstep's order: turn, then env
+
+
+def _continuous(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner) -> int:
+    state = _Episodes(envs, adapter, settings, play, seconds, clock, on_turn, env_runner)
+    n = len(play.done)
+    generate_calls = 0
     try:
         while True:
-            if not ready and in_flight is not None:
-                land(in_flight)
-                in_flight = None
-                report_turns()
-            if not sync.any(bool(ready) or in_flight is not None):
+            if not state.ready and state.in_flight is not None:
+                state.land()
+            if not sync.any(bool(state.ready) or state.in_flight is not None):
                 break
-            ready.sort(key=lambda i: (turn[i], i))
-            take = settings.rollout_batch_size or len(ready)
-            batch, ready[:] = ready[:take], ready[take:]
-            messages = [adapter.messages(i, turn[i]) for i in batch]
+            batch = state.take_ready(settings.rollout_batch_size or None)
+            messages = [adapter.messages(i, state.turn[i]) for i in batch]
             environments = [adapter.environment(i) for i in batch] if adapter.uses_tools else None
             (out,) = _timed_generate(generate, adapter, [messages], [environments], seconds, clock)
             generate_calls += 1
             counter.add(batch, out)
             actions: list[Action | None] = [None] * n
-            records = []
-            for j, i in enumerate(batch):
-                actions[i] = adapter.act(i, out.texts[j], out.prompt_ids[j], out.completion_ids[j])
-                hidden = out.hidden[j] if out.hidden is not None and len(out.hidden) else None
-                logprobs = out.logprobs[j] if out.logprobs is not None else None
-                records.append((i, actions[i], out.prompt_ids[j], out.completion_ids[j], out.texts[j], hidden, logprobs))
-            if in_flight is not None:  # joined only now: the call above was formed without it
-                land(in_flight)
-                in_flight = None
-                report_turns()
+            rows = state.records(batch, out, actions)
+            state.land()  # joined only now: the call above was formed without it
             if batch:
-                in_flight = (runner.submit(functools.partial(step_batch, actions)), records)
+                state.send(actions, rows)
     finally:
-        if in_flight is not None:  # an error above: let the step in flight finish before the envs are reused
-            try:
-                runner.result(in_flight[0])
-            except Exception:  # noqa: BLE001 - the first error is the one to raise
-                pass
-        runner.close()
-    report_turns()
-    play.steps.sort(key=lambda s: (s.t, s.traj))  # lockstep's order: turn, then env
+        state.close()
+    state.finish()
     return generate_calls
+
+
+def _continuous_stream(envs, generate, settings, sync, adapter, play, counter, seconds, clock, on_turn, env_runner) -> int:
+    """`run_rollouts`' "continuous" through a `StreamingGenerator`: see its docstring."""
+    state = _Episodes(envs, adapter, settings, play, seconds, clock, on_turn, env_runner)
+    n = len(play.done)
+    index = {episode.traj: i for i, episode in enumerate(play.episodes)}
+    cap = settings.rollout_batch_size
+    running = 0  # requests in the engine
+    engine_steps = 0
+    try:
+        while True:
+            batch = state.take_ready(max(cap - running, 0) if cap else None)
+            if batch:
+                keys = [(play.episodes[i].traj, state.turn[i]) for i in batch]
+                messages = [adapter.messages(i, state.turn[i]) for i in batch]
+                environments = [adapter.environment(i) for i in batch] if adapter.uses_tools else None
+                start = clock()
+                prompt_ids = generate.submit(keys, messages, environments)
+                seconds["generate"] += clock() - start
+                counter.add_prompts(batch, prompt_ids)
+                running += len(batch)
+            if not running:  # nothing to generate: wait for the envs, or stop
+                if state.in_flight is None:
+                    break
+                state.land()
+                continue
+            start = clock()
+            keys, out = generate.step()
+            seconds["generate"] += clock() - start - out.hidden_seconds
+            seconds["hidden"] += out.hidden_seconds
+            engine_steps += 1
+            running -= len(keys)
+            finished = [index[traj] for traj, _ in keys]
+            counter.add_replies(finished, out.prompt_ids, out.completion_ids)
+            actions: list[Action | None] = [None] * n
+            rows = state.records(finished, out, actions)
+            state.land()  # the env step sent after the previous engine step: joined only after this one
+            if finished:
+                state.send(actions, rows)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first error is the one to raise
+            generate.abort()  # the engine must not keep this rollout's requests for the next one
+        raise
+    finally:
+        state.close()
+    state.finish()
+    return engine_steps

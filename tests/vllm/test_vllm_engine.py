@@ -5,7 +5,9 @@ then runs tests/vllm/vllm_job.py there: 2 LoRA steps of `bipace_q` with
 `use_vllm=True, vllm_mode="colocate"` on the tiny env, evaluations before and after;
 tests/vllm/eval_job.py: `bipace-eval --use_vllm` on the model the job warm-started (1–2 min
 more); and tests/vllm/tool_job.py: TRL's `environment_factory` path (a tool-calling policy, a user
-reward function) for 2 steps under vLLM colocate (~1.5 min more, a third of it the warm start).
+reward function) for 2 steps under vLLM colocate (~1.5 min more, a third of it the warm start); and
+tests/vllm/stream_job.py twice: `rollout_mode="continuous"` through the engine's own continuous
+batching (`rollout.vllm_stream`), 2 LoRA steps each (~4 min for both).
 """
 
 from __future__ import annotations
@@ -226,3 +228,59 @@ def test_trl_environment_factory_trains_and_evaluates_with_the_engine(venv_pytho
     for name in ("eval-before-step-000000.jsonl", "step-000001.jsonl"):
         assert any(t["action"] for e in run["dumps"][name] for t in e["turns"]), name
     print(f"warm start {run['warm_seconds']:.0f} s, training and evaluations {run['train_seconds']:.0f} s")
+
+
+def run_stream_job(python, work: Path) -> dict:
+    out = work / f"result-{len(list(work.glob('result-*.json')))}.json"
+    job = subprocess.run(
+        [python, str(ROOT / "tests" / "vllm" / "stream_job.py"), "--out", str(out), "--workdir", str(work)],
+        capture_output=True, text=True, timeout=900, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    assert job.returncode == 0, f"the vLLM stream job failed:\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_continuous_rollouts_stream_through_the_engine_and_repeat_under_a_seed(venv_python, tmp_path):
+    first = run_stream_job(venv_python, tmp_path)  # warm-starts the model; the second run reuses it
+    # the stream played every rollout, training and evaluation: no call-by-call generation at all
+    assert first["streams_used"] and first["generate_turn_calls"] == 0
+    assert len(first["rollouts"]) == 2 and len(first["losses"]) == 2 and all(loss != 0 for loss in first["losses"])
+    assert first["weight_syncs"] == [1.0, 2.0]  # once per step, as call by call
+    # the stream samples with TRL's colocate SamplingParams (training and evaluation temperature)
+    assert all(p["trl"] == p["stream"] for p in first["sampling_params"]), first["sampling_params"]
+    assert "temperature=0.4" in first["sampling_params"][1]["stream"]
+    assert [e["tag"] for e in first["eval_history"]] == ["before", "final"]
+    for rollout, metrics in zip(first["rollouts"], first["metrics"]):
+        steps = rollout["steps"]
+        # records complete: one per env step, each with the engine's logprob of every completion
+        # token and the hidden state of the old-logprob pass; the estimator had signal and the
+        # importance-sampling correction ran
+        assert len(steps) == sum(rollout["episode_lengths"]) > 0 and not any(rollout["episodes_failed"])
+        assert all(s["completion_ids"] and s["logprobs"] == len(s["completion_ids"]) and s["hidden"] for s in steps)
+        assert [(s["t"], s["traj"]) for s in steps] == sorted((s["t"], s["traj"]) for s in steps)  # lockstep's order
+        assert rollout["nonzero_advantages"] > 0 and rollout["has_is_ratio"]
+        # engine steps, not calls: each reply took several, and the metric says so
+        assert rollout["generate_calls"] == rollout["engine_steps"] == metrics["rollout/engine_steps"] > len(steps)
+        assert metrics["rollout/prompt_tokens_encoded"] + metrics["rollout/prompt_tokens_reused"] >= metrics["rollout/prompt_tokens"]
+        assert metrics["rollout/prompt_tokens_reused"] > 0  # a group's copies and the episodes' history hit the cache
+    # in some engine step a request of one turn decoded beside a request of the next turn of
+    # another episode: the engine batched across turns, which a call-by-call rollout never does
+    for stream in (1, 2):  # the training rollouts (0 and 3 are the evaluations)
+        entered = {tuple(key): at for s, at, key, _ in first["entered"] if s == stream}
+        left = {tuple(key): at for s, at, key in first["left"] if s == stream}
+        assert entered.keys() == left.keys()  # every request finished
+        turns_at = [{t for (traj, t), at in entered.items() if at < step <= left[(traj, t)]}
+                    for step in range(1, max(left.values()) + 1)]
+        assert any(len(turns) > 1 for turns in turns_at), stream
+    # every request had its own seed, and copies of one prompt sampled different replies
+    seeds = [seed for *_, seed in first["entered"]]
+    assert len(set(seeds)) == len(seeds)
+    turn0 = [tuple(s["completion_ids"]) for s in first["rollouts"][0]["steps"] if s["t"] == 0]
+    assert len(set(turn0)) > 1
+
+    second = run_stream_job(venv_python, tmp_path)  # the same seed: the same requests, replies and rollouts
+    assert second["entered"] == first["entered"]
+    for a, b in zip(first["rollouts"], second["rollouts"]):
+        assert a["steps"] == b["steps"] and a["engine_steps"] == b["engine_steps"]
+    assert second["losses"] == pytest.approx(first["losses"])
