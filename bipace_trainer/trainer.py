@@ -280,7 +280,7 @@ class BiPACETrainer(GRPOTrainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Transformers' own; with `max_staleness=1` the epoch iterator is read through a
         `Lookahead`, so the next generation's rows are known while the current update runs."""
-        if self._overlap is not None and self.model.training:
+        if self._overlap is not None:  # the training loop's only (evaluation reads its dataloader itself)
             epoch_iterator = self._overlap.lookahead(epoch_iterator)
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
