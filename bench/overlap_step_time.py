@@ -6,7 +6,8 @@
 Each variant trains the same policy on the same tasks for `--steps` optimizer steps, with
 every update applied (`skip_update_without_signal=False`: a random policy's batches have no
 signal, and a skipped update leaves nothing to overlap). The wall time between optimizer steps
-is measured from step 2 on (generation 1 plays in the foreground in both), and its median is
+is measured from step 2 on (generation 1 plays in the foreground in both; the defaults keep
+the run inside one epoch, whose first generation also plays in the foreground), and its median is
 reported with the rollout and update shares, and overlap's speed-up (off / on). On a CPU the
 background rollout and the update compete for the same cores: the gain is bounded by the
 cores free beside training, and it is largest when the rollout and the update take similar
@@ -54,7 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tasks", type=int, default=4, help="tasks per generation (x4 rollouts each)")
+    parser.add_argument("--tasks", type=int, default=2,
+                        help="tasks per generation (x4 rollouts each; 2: one generation per optimizer step)")
+    parser.add_argument("--env-size", type=int, default=6, help="tiny env size (6: 24 train tasks, 12 generations an epoch)")
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--variants", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     parser.add_argument("--out", default=None)
@@ -73,7 +76,7 @@ def tokenizer_for_tiny():
 def run(tokenizer, args, variant: str, staleness: int, work: Path) -> dict:
     model = tiny_qwen2(tokenizer, hidden_size=args.hidden_size, layers=args.layers, seed=0)
     config = BiPACEConfig(
-        output_dir=str(work / f"{variant}-{staleness}"), env_name="tiny", env_kwargs={"size": 4}, preset="grpo",
+        output_dir=str(work / f"{variant}-{staleness}"), env_name="tiny", env_kwargs={"size": args.env_size}, preset="grpo",
         max_steps=args.steps, tasks_per_iteration=args.tasks, num_generations=4, per_device_train_batch_size=4,
         gradient_accumulation_steps=2, max_turns=4, history_length=1, max_completion_length=args.max_completion_length,
         evaluate_before_training=False, eval_interval=0, eval_tasks=1, logging_steps=1, save_strategy="no",
@@ -109,6 +112,7 @@ def main(argv=None) -> dict:
         for variant in args.variants:
             for staleness in (0, 1):
                 rows.append(run(tokenizer, args, variant, staleness, Path(work)))
+                print("ROW", json.dumps(rows[-1]), flush=True)
     print(f"{'variant':8} {'max_staleness':>13} {'step s (median)':>16} {'rollout s':>10} {'speed-up':>9}")
     for row in rows:
         base = next(r for r in rows if r["variant"] == row["variant"] and r["max_staleness"] == 0)

@@ -294,7 +294,11 @@ class BiPACETrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
         # max_staleness=1: this generation may have been played during the previous update (`rollout.overlap`)
-        prefetched = self._overlap.take(inputs) if self._overlap is not None and mode == "train" else None
+        prefetched = None
+        if self._overlap is not None and mode == "train":
+            prefetched = self._overlap.take(inputs)
+        elif self._overlap is not None:  # TRL's evaluate plays on the same envs: the rollout in flight ends first
+            self._overlap.join()
         scored = self._scored_rollout(tasks, prefetched)
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is
         # played again on freshly drawn tasks, up to `resample_without_signal` times. Every

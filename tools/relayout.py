@@ -75,6 +75,7 @@ SUBPACKAGE_DOCS = {
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
+    overlap         the next generation played on a background thread while the update runs (max_staleness=1)
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
@@ -88,7 +89,7 @@ rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for 
 import importlib as _importlib
 import warnings as _warnings
 
-_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "hidden", "prompting", "actions", "batching", "trajectories"}
+_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "hidden", "prompting", "actions", "batching", "trajectories", "overlap"}
 
 
 def __getattr__(name):
@@ -209,7 +210,9 @@ GENERATED = {f"{PACKAGE}/{name}/__init__.py" for name in SUBPACKAGE_DOCS} | {f"{
 SKIP = GENERATED | {"tools/relayout.py", "tests/test_layout.py"}  # these name the old paths on purpose
 OLD = {f"{PACKAGE}.{old}": f"{PACKAGE}.{new}" for old, new in MOVES.items()}
 PACKAGES = {f"{PACKAGE}.{name}" for name in SUBPACKAGE_DOCS}  # `bipace_trainer.rollout`: a real package now
-ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")}
+# modules written inside rollout/ after the move: no old flat path, and never `rollout.loop.<name>`
+BORN_IN_ROLLOUT = {"overlap"}
+ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | BORN_IN_ROLLOUT
 
 
 def reference_patterns() -> list[tuple[re.Pattern, str]]:
