@@ -92,7 +92,7 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "rollout_mode",
-        "require_think", "action_key_tokens", "resample_without_signal", "resample_max_seconds", "penalize_env_failures",
+        "max_staleness", "require_think", "action_key_tokens", "resample_without_signal", "resample_max_seconds", "penalize_env_failures",
         "tool_errors",
     ),
     "what a run records": ("rollout_dump_steps",),
@@ -194,6 +194,16 @@ class BiPACEConfig(GRPOConfig):
         longest reply (TRL's `_generate_single_turn` is synchronous: vLLM batches continuously
         inside a call, not across calls). ZeRO-3 and FSDP refuse it (every rank must run each
         forward together): use `lockstep` there. See docs/rollout_modes.md.
+    max_staleness (`int`, 0): 1 plays the next generation's episodes on a background thread while
+        the current update runs, with a frozen copy of the weights (a LoRA run copies its adapter
+        only; a full fine-tune holds a second copy of the model), so those episodes come from the
+        policy one generation old; TRL's importance-sampling ratio (`vllm_importance_sampling_mode`
+        and its clip bounds) corrects them, by scaling their advantages, and is logged as
+        `sampling/importance_sampling_ratio/*` with `rollout/staleness`. 0 (the default) plays every
+        generation with the current weights. HF generation only (not vLLM), one process or DDP;
+        refused under ZeRO-3/FSDP, with TRL's tool envs and with `loss_type='vespo'`. An epoch's
+        first generation plays in the foreground (its rows are not known earlier). See
+        docs/rollout_modes.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,
@@ -364,6 +374,10 @@ class BiPACEConfig(GRPOConfig):
     rollout_mode: str = field(
         default="lockstep", metadata={"help": "lockstep | continuous: episodes advance turn by turn together, or each on its own."}
     )
+    max_staleness: int = field(
+        default=0,
+        metadata={"help": "1: play the next generation while the current update runs (a weight copy, IS-corrected); 0: off."},
+    )
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})
     resample_without_signal: int = field(
@@ -493,6 +507,28 @@ class BiPACEConfig(GRPOConfig):
         for ok, name, message in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {message}.")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        if self.max_staleness == 0:
+            return
+        if self.max_staleness < 0 or self.max_staleness > 1 or isinstance(self.max_staleness, bool):
+            raise ValueError(
+                f"max_staleness={self.max_staleness!r} must be 0 (off) or 1 (the next generation plays during the "
+                "current update): a rollout two or more updates old is not implemented."
+            )
+        if self.use_vllm:
+            raise ValueError(
+                "max_staleness=1 plays a rollout on a background thread beside training, which vLLM's engine does not "
+                "support (its generate is not thread-safe beside the trainer's weight syncs); set use_vllm=False or "
+                "max_staleness=0."
+            )
+        if self.loss_type == "vespo":
+            raise ValueError(
+                "max_staleness=1 applies the importance-sampling ratio by scaling the advantages, which is TRL's "
+                "correction for every loss but loss_type='vespo' (whose weights read the ratio themselves); pick "
+                "another loss_type or set max_staleness=0."
+            )
 
     def require_env(self) -> None:
         """Raise what checking the default `env_name` found, for a trainer that plays it."""

@@ -58,10 +58,11 @@ from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import model_card
 from .rollout.batching import training_batch
 from .rollout.collector import (  # noqa: F401
-    SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, task_dataset,
+    SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, _sharded_forward, env_reward, task_dataset,
 )
 from .rollout.hidden import clamp_layer
 from .rollout.loop import Rollout, TaskRef
+from .rollout.overlap import Prefetched, RolloutOverlap
 from .rollout.prompting import fit_prompt_ids
 from .rollout.tool_envs import check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
@@ -85,6 +86,7 @@ class ScoredRollout(NamedTuple):
     signal: bool  # some sample on some rank has a non-zero advantage
     masked_episodes: int = 0  # env-failed episodes whose steps were left out (`penalize_env_failures=False`)
     masked_steps: int = 0
+    behaviour_step: int | None = None  # the optimizer step whose weights played it, if an earlier one's (`overlap`)
 
 
 class BiPACETrainer(GRPOTrainer):
@@ -197,6 +199,7 @@ class BiPACETrainer(GRPOTrainer):
             source = TextEnvSource(args)
         self.collector = RolloutCollector(self, source, needs_hidden=needs_hidden)
         self._sync = self.collector.sync
+        self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
         self.eval_history: list[dict[str, Any]] = []
         self.interrupted = False
         self._checkpoint_staging: str | None = None
@@ -208,6 +211,21 @@ class BiPACETrainer(GRPOTrainer):
         self.callback_handler.callbacks.insert(0, FinalEvaluationCallback(self))
         if self.callback_handler.pop_callback(ProgressCallback) is not None:
             self.add_callback(NumericProgressCallback)
+
+    def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
+        """`max_staleness=1`'s background rollouts (`rollout.overlap`), where nothing on the
+        background thread would have to run with the other ranks."""
+        if _sharded_forward(self):
+            raise ValueError(
+                "max_staleness=1 cannot run under ZeRO-3 or FSDP: every forward there gathers parameters across "
+                "ranks, and the background rollout's forwards run apart from the other ranks'. Set max_staleness=0."
+            )
+        if trl_envs:
+            raise ValueError(
+                "max_staleness=1 plays the project's TextEnvs (env_name) only: TRL's environment_factory/tools score "
+                "episodes through the trainer's reward functions, which cannot run beside training. Set max_staleness=0."
+            )
+        return RolloutOverlap(self)
 
     @property
     def needs_hidden(self) -> bool:
@@ -248,6 +266,8 @@ class BiPACETrainer(GRPOTrainer):
             return None
         finally:
             self._graceful_stop.restore_handler()
+            if self._overlap is not None:
+                self._overlap.close()  # a prefetched generation past the run's last step is not trained on
         collector = self.collector
         if collector.train_generations and not collector.healthy_generations and not self.interrupted:
             raise RuntimeError(collector.every_env_failed(f"all {collector.train_generations} generations of the run"))
@@ -256,6 +276,13 @@ class BiPACETrainer(GRPOTrainer):
         except Exception as err:  # noqa: BLE001 - a report: it must not cost the run its unsaved weights
             logger.warning(f"The model card could not be written ({type(err).__name__}: {err}); training is complete.")
         return output
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Transformers' own; with `max_staleness=1` the epoch iterator is read through a
+        `Lookahead`, so the next generation's rows are known while the current update runs."""
+        if self._overlap is not None:  # the training loop's only (evaluation reads its dataloader itself)
+            epoch_iterator = self._overlap.lookahead(epoch_iterator)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler, reseeded per epoch so that a resumed run draws the same task order."""
@@ -266,7 +293,13 @@ class BiPACETrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         mode = "train" if self.model.training else "eval"
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
-        scored = self._scored_rollout(tasks)
+        # max_staleness=1: this generation may have been played during the previous update (`rollout.overlap`)
+        prefetched = None
+        if self._overlap is not None and mode == "train":
+            prefetched = self._overlap.take(inputs)
+        elif self._overlap is not None:  # TRL's evaluate plays on the same envs: the rollout in flight ends first
+            self._overlap.join()
+        scored = self._scored_rollout(tasks, prefetched)
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is
         # played again on freshly drawn tasks, up to `resample_without_signal` times. Every
         # rank draws and decides alike (`signal` is any over ranks), so all stay in lockstep.
@@ -300,15 +333,35 @@ class BiPACETrainer(GRPOTrainer):
         metrics["time/estimator_s"] = scored.estimator_seconds
         if self.use_vllm:
             metrics["vllm/weight_syncs"] = float(self.collector.weight_syncs.count)
+        if self._overlap is not None:
+            # optimizer steps between the weights that played the trained batch and the current ones
+            behind = scored.behaviour_step  # None: played now (the first generation, an epoch's, a resampled one)
+            metrics["rollout/staleness"] = float(self.state.global_step - behind) if behind is not None else 0.0
+            metrics["rollout/prefetched"] = float(behind is not None)
         self._record_metrics(mode, metrics)
         self.collector.record(rollout, estimate)
+        if self._overlap is not None and mode == "train":
+            self._overlap.start_next(inputs)  # the next generation plays while this one trains
         return output
 
-    def _scored_rollout(self, tasks: list[TaskRef]) -> ScoredRollout:
+    def _scored_rollout(self, tasks: list[TaskRef], prefetched: Prefetched | None = None) -> ScoredRollout:
         """Play `tasks`, build TRL's batch with the estimator's advantages in place, and say
-        whether any rank has a non-zero advantage."""
+        whether any rank has a non-zero advantage.
+
+        `prefetched`: the rollout of `tasks` already played by an earlier policy (`max_staleness=1`):
+        the batch then carries TRL's importance ratio ρ of the current policy against the one that
+        played it (`batching.training_batch`), and each row's advantage becomes ρ·A, (B, T) for a
+        per-token ratio. TRL's vLLM correction multiplies the per-token loss by ρ; for every loss
+        but VESPO (refused) that loss is ρ ≥ 0 times a term linear in A or a function of A's sign
+        only through ρ·A, so scaling the advantage is the same correction: GRPO/BNPO/DR-GRPO/DAPO/
+        LUSPO's −min(r·A, clip(r)·A), CISPO's −sg(clip(r))·A·log π and SAPO's −s(r)·A (ρ = 0 zeroes
+        the term either way)."""
         rank = self.accelerator.process_index
-        played = self.collector.collect("train", tasks, traj_offset=rank * len(tasks))
+        if prefetched is not None:
+            played = prefetched.rollout
+            self.collector.check_failures(played)  # the guard the foreground collect runs itself
+        else:
+            played = self.collector.collect("train", tasks, traj_offset=rank * len(tasks))
         # An env fault is not the policy's failure: unless told to penalise them, failed episodes'
         # steps leave the batch (no loss, no place in their group's statistics).
         rollout = played if self.args.penalize_env_failures else played.without_failed_episodes()
@@ -316,7 +369,7 @@ class BiPACETrainer(GRPOTrainer):
         masked_episodes = sum(e.failed and e.length > 0 for e in played.episodes) if masked_steps else 0
         # The batch first: under vLLM its old-logprob pass also captures the hidden states.
         capture_hidden = self.use_vllm and self.needs_hidden and self.args.hidden_capture == "hook"
-        batch, batch_metrics = training_batch(self, rollout, self._sync, capture_hidden)
+        batch, batch_metrics = training_batch(self, rollout, self._sync, capture_hidden, behaviour_policy=prefetched is not None)
         start = time.perf_counter()
         estimate = self.estimator.estimate(rollout.step_batch(), reduce=self._sync.mean)
         estimator_seconds = time.perf_counter() - start
@@ -327,8 +380,13 @@ class BiPACETrainer(GRPOTrainer):
             )
         padded_rows = batch["advantages"].numel() - advantages.numel()
         batch["advantages"] = torch.cat([advantages, torch.zeros(padded_rows)]).to(batch["advantages"].device)
+        if prefetched is not None:  # TRL's importance-sampling correction, see the docstring
+            batch["advantages"] = batch["advantages"].unsqueeze(1) * batch["importance_sampling_ratio"]
         signal = self._sync.any(bool((advantages != 0).any()))
-        return ScoredRollout(rollout, batch, batch_metrics, estimate, estimator_seconds, signal, masked_episodes, masked_steps)
+        return ScoredRollout(
+            rollout, batch, batch_metrics, estimate, estimator_seconds, signal, masked_episodes, masked_steps,
+            behaviour_step=prefetched.snapshot_step if prefetched is not None else None,
+        )
 
     def _redraw_tasks(self, tasks: list[TaskRef], attempt: int) -> list[TaskRef]:
         """`tasks` with each group's task replaced by a row drawn from the training set, seeded
@@ -419,6 +477,8 @@ class BiPACETrainer(GRPOTrainer):
         overall and per task type: logged, appended to `eval_history` and `<output_dir>/eval_results.json`,
         and returned (`evaluation.evaluate_policy`). Every rank must call it. The evaluation
         callbacks call it with tag "before", "interval" and "final"; a subclass may override it."""
+        if self._overlap is not None:
+            self._overlap.join()  # the tokenizer and the envs' workers serve one rollout at a time
         return evaluation.evaluate_policy(self, tag=tag, split=split or self.args.eval_split)
 
     # ------------------------------------------------------------------ checkpoints and card (`checkpointing`, `model_card`)
@@ -428,6 +488,8 @@ class BiPACETrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, written atomically with the run's own state (`checkpointing.save_atomically`)."""
+        if self._overlap is not None:
+            self._overlap.join()  # the prefetched generation is saved with the checkpoint
         trl_save = super()._save_checkpoint
         self._saving = True  # a SIGTERM now waits for the save to end (`callbacks.GracefulStopCallback`)
         try:

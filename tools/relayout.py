@@ -76,6 +76,7 @@ SUBPACKAGE_DOCS = {
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
+    overlap         the next generation played on a background thread while the update runs (max_staleness=1)
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
@@ -90,7 +91,8 @@ import importlib as _importlib
 import warnings as _warnings
 
 _SUBMODULES = {
-    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching", "trajectories",
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching",
+    "trajectories", "overlap",
 }
 
 
@@ -212,8 +214,9 @@ GENERATED = {f"{PACKAGE}/{name}/__init__.py" for name in SUBPACKAGE_DOCS} | {f"{
 SKIP = GENERATED | {"tools/relayout.py", "tests/test_layout.py"}  # these name the old paths on purpose
 OLD = {f"{PACKAGE}.{old}": f"{PACKAGE}.{new}" for old, new in MOVES.items()}
 PACKAGES = {f"{PACKAGE}.{name}" for name in SUBPACKAGE_DOCS}  # `bipace_trainer.rollout`: a real package now
-# the package's submodules: the moved ones, and those added since (never an old path)
-ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | {"vllm_stream"}
+# modules written inside rollout/ after the move: no old flat path, and never `rollout.loop.<name>`
+BORN_IN_ROLLOUT = {"overlap", "vllm_stream"}
+ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | BORN_IN_ROLLOUT
 
 
 def reference_patterns() -> list[tuple[re.Pattern, str]]:

@@ -9,6 +9,7 @@
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
+    overlap         the next generation played on a background thread while the update runs (max_staleness=1)
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
@@ -23,7 +24,8 @@ import importlib as _importlib
 import warnings as _warnings
 
 _SUBMODULES = {
-    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching", "trajectories",
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching",
+    "trajectories", "overlap",
 }
 
 

@@ -27,11 +27,11 @@ from .vllm_backend import importance_sampling_metrics, importance_sampling_ratio
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
-__all__ = ["training_batch", "importance_sampling", "reference_logps"]
+__all__ = ["training_batch", "padded_tensors", "importance_sampling", "reference_logps"]
 
 
 def training_batch(
-    trainer: GRPOTrainer, rollout: Rollout, sync, capture_hidden: bool = False
+    trainer: GRPOTrainer, rollout: Rollout, sync, capture_hidden: bool = False, behaviour_policy: bool = False
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Pad the step samples into TRL's batch layout, with equal row counts on every rank.
 
@@ -40,15 +40,61 @@ def training_batch(
     an empty completion mask and zero advantage: they add nothing to the loss.
     `advantages` is a zero placeholder of the padded size until the estimator has run.
     `sync` is the rollout's cross-rank reductions (`collector.CrossRankSync`).
+    `behaviour_policy`: the steps were sampled by an earlier policy (`overlap`), whose per-token
+    log-probs are their `sampling_logprobs`; the batch then carries TRL's importance-sampling
+    ratio of the current policy against it (`importance_sampling`) and its `sampling/*` metrics.
     Returns the batch and its metrics (padding, log-prob time, vLLM sampling metrics).
     """
-    device = trainer.accelerator.device
     steps = rollout.steps
-    count = len(steps)
     chunks = trainer.args.steps_per_generation
-    target = sync.max(count)
+    target = sync.max(len(steps))
     target = max(chunks, math.ceil(target / chunks) * chunks)
-    padded_rows = target - count
+    padded_rows = target - len(steps)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer, steps, target)
+    device = completion_mask.device
+    output = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.zeros(target, device=device),
+        "num_items_in_batch": trainer.accelerator.gather(completion_mask.sum()).sum(),
+    }
+    start = time.perf_counter()
+    # A stale rollout (`overlap`, behaviour log-probs on its steps) needs the current policy's
+    # log-probs for its importance ratio, whether or not TRL's loss reads them.
+    stale = behaviour_policy
+    logps, hidden = reference_logps(
+        trainer, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden, force_old=stale
+    )
+    output.update(logps)
+    metrics = {"time/logps_s": time.perf_counter() - start, "episode/padded_rows": float(padded_rows)}
+    if hidden is not None:
+        for step, state in zip(steps, hidden):
+            step.hidden = state
+    if (trainer.use_vllm and trainer.vllm_importance_sampling_correction) or stale:
+        output.update(importance_sampling(trainer, steps, output, completion_mask, metrics))
+    if stale and not _loss_reads_old_logps(trainer):
+        # TRL's loss then takes the PPO ratio's denominator from the live forward (`per_token_logps.detach()`,
+        # the same weights); keep its path bit for bit, the pass above served only the importance ratio.
+        del output["old_per_token_logps"]
+    return output, metrics
+
+
+def _loss_reads_old_logps(trainer: GRPOTrainer) -> bool:
+    """TRL's rule (`_generate_and_score_completions`): the old-logprob pass runs when the weights can
+    change between the generation and its last micro-batch, or under vLLM."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer.args.gradient_accumulation_steps % generate_every != 0 or trainer.use_vllm
+
+
+def padded_tensors(trainer: GRPOTrainer, steps, target: int) -> tuple[torch.Tensor, ...]:
+    """(prompt_ids, prompt_mask, completion_ids, completion_mask) of `steps`, padded with empty rows to
+    `target` rows: prompts left-padded, completions right-padded, TRL's truncated-completion mask applied.
+    The old-logprob pass and the behaviour-logprob pass of a stale rollout (`overlap`) read the same
+    tensors, so their log-probs agree bit for bit when the weights do."""
+    device = trainer.accelerator.device
+    padded_rows = target - len(steps)
     pad_id = trainer._tokenizer.pad_token_id
     prompts = [torch.tensor(s.prompt_ids) for s in steps] + [torch.tensor([pad_id])] * padded_rows
     completions = [torch.tensor(s.completion_ids or [pad_id]) for s in steps] + [torch.tensor([pad_id])] * padded_rows
@@ -67,25 +113,7 @@ def training_batch(
         eos = set(trainer.eos_token_ids)
         truncated = [not s.completion_ids or s.completion_ids[-1] not in eos for s in steps] + [False] * padded_rows
         completion_mask = completion_mask * (~torch.tensor(truncated, device=device)).unsqueeze(1).long()
-
-    output = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": torch.zeros(target, device=device),
-        "num_items_in_batch": trainer.accelerator.gather(completion_mask.sum()).sum(),
-    }
-    start = time.perf_counter()
-    logps, hidden = reference_logps(trainer, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden)
-    output.update(logps)
-    metrics = {"time/logps_s": time.perf_counter() - start, "episode/padded_rows": float(padded_rows)}
-    if hidden is not None:
-        for step, state in zip(steps, hidden):
-            step.hidden = state
-    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        output.update(importance_sampling(trainer, steps, output, completion_mask, metrics))
-    return output, metrics
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
 def importance_sampling(trainer: GRPOTrainer, steps, output, completion_mask, metrics) -> dict[str, torch.Tensor]:
@@ -120,18 +148,18 @@ def importance_sampling(trainer: GRPOTrainer, steps, output, completion_mask, me
 
 
 def reference_logps(
-    trainer: GRPOTrainer, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden: bool = False
+    trainer: GRPOTrainer, prompt_ids, prompt_mask, completion_ids, completion_mask, capture_hidden: bool = False,
+    force_old: bool = False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """old_per_token_logps / ref_per_token_logps exactly when TRL's loss needs them, and,
-    with `capture_hidden`, the hidden states at the last prompt token from the old pass."""
+    """old_per_token_logps / ref_per_token_logps exactly when TRL's loss needs them (old ones also
+    with `force_old`), and, with `capture_hidden`, the hidden states at the last prompt token from the old pass."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     logits_to_keep = completion_ids.size(1)
     batch_size = trainer.args.per_device_train_batch_size
     out, hidden = {}, None
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
     with torch.no_grad():
-        if trainer.args.gradient_accumulation_steps % generate_every != 0 or trainer.use_vllm:
+        if _loss_reads_old_logps(trainer) or force_old:
             policy = trainer.accelerator.unwrap_model(trainer.model)
             capture = (
                 PositionCapture(policy, trainer.args.cluster_layer, position=prompt_ids.size(1) - 1)

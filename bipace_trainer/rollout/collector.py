@@ -300,8 +300,14 @@ class RolloutCollector:
             self.trainer._batch_environments = environments
         return [list(ids) for ids in self.trainer._tokenize_prompts(messages)[0]]
 
-    def generate_turn(self, messages: list[list[dict[str, Any]]], environments: list[Hashable] | None = None) -> Generation:
+    def generate_turn(
+        self, messages: list[list[dict[str, Any]]], environments: list[Hashable] | None = None, policy=None
+    ) -> Generation:
         """One generate call through TRL's own path, plus hidden states if the estimator needs them.
+
+        `policy` (an `overlap.SnapshotPolicy`) generates instead of TRL's `_generate_single_turn`:
+        a frozen copy of the weights sampling from its own generator, for a rollout played on a
+        background thread while the trainer updates the live weights (a training rollout).
 
         An empty `messages` (this rank has no active env) still runs a dummy generation,
         so every rank joins the same collective calls (ZeRO-3 parameter gathering). Under
@@ -317,15 +323,19 @@ class RolloutCollector:
             prompt_ids = equal_prompt_counts(prompt_ids, self.sync.max(len(prompt_ids)), list(dummy_ids))
         # Hidden states: in generate's prefill (HF), in the old-logprob pass (vLLM, see
         # `batching.training_batch`), or by one extra pass (`forward`); training rollouts only.
-        wants_hidden = self.needs_hidden and trainer.model.training
+        wants_hidden = self.needs_hidden and (policy is not None or trainer.model.training)
         hook = wants_hidden and args.hidden_capture == "hook" and not trainer.use_vllm
-        capture = PrefillCapture(self._policy_module(), args.cluster_layer) if hook else contextlib.nullcontext()
+        module = policy.module if policy is not None else self._policy_module()
+        capture = PrefillCapture(module, args.cluster_layer) if hook else contextlib.nullcontext()
         with capture:
-            completion_ids, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+            if policy is not None:
+                completion_ids, logprobs = policy.generate(prompt_ids)
+            else:
+                completion_ids, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
         hidden, hidden_seconds = (capture.states if hook else None), 0.0
         if wants_hidden and args.hidden_capture == "forward":
             start = time.perf_counter()
-            hidden = self._forward_hidden(prompt_ids)[:count]
+            hidden = self._forward_hidden(prompt_ids, None if policy is None else policy.module)[:count]
             hidden_seconds = time.perf_counter() - start  # the rollout reports it apart from generation
         if not count:
             return Generation([], [], [], None, hidden_seconds=hidden_seconds)
@@ -355,12 +365,14 @@ class RolloutCollector:
         factories = self.trainer.environment_factories
         return next(iter(factories)) if factories else None
 
-    def _forward_hidden(self, prompt_ids: list[list[int]]) -> torch.Tensor:
+    def _forward_hidden(self, prompt_ids: list[list[int]], module=None) -> torch.Tensor:
         trainer = self.trainer
         device = trainer.accelerator.device
         tensors = [torch.tensor(ids) for ids in prompt_ids]
         input_ids = pad(tensors, padding_value=trainer._tokenizer.pad_token_id, padding_side="left").to(device)
         mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
+        if module is not None:  # a background rollout's frozen snapshot (already in eval mode)
+            return forward_hidden_states(module, input_ids, mask, trainer.args.cluster_layer, trainer.args.per_device_train_batch_size)
         was_training = trainer.model.training
         trainer.model.eval()
         try:
@@ -406,9 +418,16 @@ class RolloutCollector:
         self.envs.clear()
 
     # -- the rollout
-    def collect(self, name: str, tasks: list[TaskRef], traj_offset: int = 0) -> Rollout:
+    def collect(self, name: str, tasks: list[TaskRef], traj_offset: int = 0, policy=None) -> Rollout:
         """Play `tasks` on the `name` envs ("train" or "eval") at the sampling settings in force.
-        Every rank must call it, the same number of times (an empty shard still joins every generate call)."""
+        Every rank must call it, the same number of times (an empty shard still joins every generate call).
+
+        With `policy` (an `overlap.SnapshotPolicy`; HF generation, per rank) the rollout runs on a
+        background thread beside training: it generates through `policy`, joins no cross-rank
+        call, shows no progress bar and leaves the "every episode failed" guard to the caller,
+        which runs it on the main thread (`check_failures`)."""
+        if policy is not None:
+            return self._collect_in_background(name, tasks, traj_offset, policy)
         trainer = self.trainer
         envs = self._envs(name, len(tasks)) if tasks else None
         with self.weight_syncs.awake() if trainer.use_vllm else contextlib.nullcontext(False) as pushed:
@@ -428,6 +447,19 @@ class RolloutCollector:
         if name == "train":
             self._stop_if_every_env_failed(rollout)
         return rollout
+
+    def _collect_in_background(self, name: str, tasks: list[TaskRef], traj_offset: int, policy) -> Rollout:
+        envs = self._envs(name, len(tasks)) if tasks else None
+        rollout = run_rollouts(
+            envs, tasks, functools.partial(self.generate_turn, policy=policy), self.settings, sync=LocalSync(),
+            traj_offset=traj_offset, adapter=self.source.adapter(self.settings),
+        )
+        rollout.prompt_counts.update(self._prefix_reuse(rollout))
+        return rollout
+
+    def check_failures(self, rollout: Rollout) -> None:
+        """The "every episode failed" guard of a training rollout played with `collect(policy=...)`."""
+        self._stop_if_every_env_failed(rollout)
 
     def _prefix_reuse(self, rollout: Rollout) -> dict[str, int]:
         """Prompt tokens the engine encoded vs reused from a cache in this rollout: vLLM colocate

@@ -10,6 +10,10 @@ state) plus the run's own state:
   optimizer steps: each rank's buffered samples and TRL's micro-step counter, so resuming
   trains on the same samples (and skips their update or not, as before) instead of
   generating new ones.
+- `overlap_rollout_rank{r}.pt`, only with `max_staleness=1` when the next generation was
+  played during the update before the save (`rollout.overlap`; the save joins it first): its
+  dataset rows, its rollout with the behaviour log-probs and the step whose weights played it,
+  so the resumed run trains on the same episodes, corrected by the same ratio.
 
 `bipace_state.json` also records the run's id and config (`run_dir`), which a resume
 compares with its own. `save_atomically` writes all of it into a staging folder and
@@ -46,6 +50,7 @@ __all__ = [
     "STATE_FILE",
     "BUFFER_FILE",
     "ENV_COUNTERS_FILE",
+    "OVERLAP_FILE",
     "CheckpointWriteError",
     "CheckpointedTrainer",
     "save_atomically",
@@ -56,6 +61,7 @@ __all__ = [
 STATE_FILE = "bipace_state.json"
 BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
 ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
+OVERLAP_FILE = "overlap_rollout_rank{rank}.pt"  # the generation played ahead during the last update, per rank
 
 
 # A write that failed for want of space: errno, or the words torch's zip writer
@@ -96,6 +102,7 @@ class CheckpointedTrainer(Protocol):
     _step: int  # TRL's buffered generation, saved mid-generation
     _buffered_inputs: list[dict[str, Any]] | None
     _skip_update: bool
+    _overlap: Any  # `rollout.overlap.RolloutOverlap` with max_staleness=1, else None
 
 
 def save_atomically(trainer: CheckpointedTrainer, run_dir: Path, trl_save: Callable[[], None]) -> None:
@@ -163,6 +170,11 @@ def _write_run_state(trainer: CheckpointedTrainer, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         buffer = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs, "skip_update": trainer._skip_update}
         torch.save(buffer, directory / BUFFER_FILE.format(rank=rank))
+    overlap = getattr(trainer, "_overlap", None)
+    prefetched = overlap.state_dict() if overlap is not None else None
+    if prefetched is not None:  # joined by the trainer's `_save_checkpoint`
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(prefetched, directory / OVERLAP_FILE.format(rank=rank))
 
 
 def load_run_state(trainer: CheckpointedTrainer, checkpoint: str | None) -> None:
@@ -184,6 +196,10 @@ def load_run_state(trainer: CheckpointedTrainer, checkpoint: str | None) -> None
         # older checkpoints carried the flag inside each micro-batch
         carried = [bool(chunk.pop("skip_update", False)) for chunk in trainer._buffered_inputs]
         trainer._skip_update = buffer.get("skip_update", any(carried))
+    overlap_path = checkpoint / OVERLAP_FILE.format(rank=rank)
+    overlap = getattr(trainer, "_overlap", None)
+    if overlap_path.exists() and overlap is not None:  # without max_staleness the generation plays again, now
+        overlap.load_state_dict(torch.load(overlap_path, map_location=trainer.accelerator.device, weights_only=False))
 
 
 class EpochSeededRepeatSampler(RepeatSampler):

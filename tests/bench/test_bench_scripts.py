@@ -113,6 +113,17 @@ def test_rollout_throughput(tmp_path):
     assert result["one_at_a_time"]["episodes"] == 2 and result["one_at_a_time"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
+def test_overlap_step_time(tmp_path):
+    printed = run("overlap_step_time", "--out", tmp_path / "overlap.json")
+    result = json.loads((tmp_path / "overlap.json").read_text())
+    rows = {(row["variant"], row["max_staleness"]): row for row in result["rows"]}
+    assert set(rows) == {("lora", 0), ("lora", 1)}
+    assert rows[("lora", 1)]["staleness_logged"][0] == 0.0 and rows[("lora", 1)]["staleness_logged"][1:] == [1.0, 1.0]
+    assert all(row["step_s_median"] > 0 and row["speedup_vs_off"] > 0 for row in rows.values())
+    assert "speed-up" in printed
+
+
 def test_learning_study_set_overrides_name_the_field():
     args = learning_study.parse_args(["--set", "cluster_eps=0.05", "--set", "cluster_layer=-1", "--set", "preset=gigpo"])
     assert args.overrides == {"cluster_eps": 0.05, "cluster_layer": -1, "preset": "gigpo"}

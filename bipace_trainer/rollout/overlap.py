@@ -1,0 +1,432 @@
+"""The next generation's episodes played while the current update runs (`max_staleness=1`).
+
+    overlap = RolloutOverlap(trainer)                       # the trainer builds it when max_staleness=1
+    iterator = overlap.lookahead(epoch_iterator)            # its `get_batch_samples`: rows can be peeked
+    played = overlap.take(inputs)                           # this generation's rollout, if it was prefetched
+    ...                                                     # the batch, its importance ratio, the update
+    overlap.start_next(inputs)                              # the next generation plays in the background
+
+A generation's rollout is the longest part of a step on a machine where generation is slow;
+with `max_staleness=1` the rollout of generation g+1 runs on a background thread while the
+trainer updates the weights on generation g. Its episodes are then sampled by the weights
+of one generation ago, so each of its tokens carries the behaviour policy's log-prob, and the
+batch is corrected by TRL's importance-sampling ratio ρ = π_current / π_behaviour
+(`vllm_importance_sampling_mode` and its clip bounds, as TRL's vLLM correction; the trainer
+multiplies the advantages by it, `batching.training_batch` computes it). What makes this safe:
+
+- `SnapshotPolicy`: the background thread never touches the live weights. It generates with
+  a copy of the policy taken when the thread starts (frozen parameters shared, so a LoRA run
+  copies only its adapter; a full fine-tune holds a second copy of the model, refreshed in
+  place each generation), in eval mode, without gradients.
+- Its own randomness: sampling goes through `PrivateSampler`, a logits processor that applies
+  the sampling warpers of the training generation config (temperature, top-k, top-p, min-p,
+  ...) and draws from a `torch.Generator` seeded by (seed, step, rank), under greedy `generate`.
+  The global RNG, which the main thread's shuffling and dropout read, is never drawn from, so a
+  seeded run repeats its completions whatever the threads' timing.
+- Behaviour log-probs: after the rollout, the snapshot scores its own completions through
+  TRL's `_get_per_token_logps_and_entropies` on the very tensors the old-logprob pass reads
+  (`batching.padded_tensors`), so with unchanged weights ρ is exactly 1.
+- Rows known in advance: `Lookahead` wraps the Trainer's epoch iterator, so the rows of the
+  generation `generate_every` micro-steps ahead can be read before the training loop asks for
+  them. At an epoch's end nothing is ahead: the next epoch's first generation plays in the
+  foreground, with the current weights (staleness 0).
+- No collectives off the main thread: the background rollout runs with `LocalSync`, HF
+  `generate` on this rank's snapshot; the "every episode failed" guard, metrics and records
+  run on the main thread when the rollout is taken. The trainer refuses vLLM, ZeRO-3/FSDP and
+  TRL's tool envs with it.
+- Errors: an env failure is an episode failure, as in the foreground; any other exception in
+  the thread is raised on the main thread, with its traceback, when the rollout is joined.
+  Evaluation and checkpoint saves join the thread first (`join`); a checkpoint stores the
+  prefetched rollout (`state_dict`), so a resumed run trains on the same episodes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import threading
+import types
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation import logits_process as lp
+from trl.trainer.utils import add_fused_lm_head, pad
+
+from .batching import padded_tensors
+from .loop import Rollout
+
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
+__all__ = ["RolloutOverlap", "SnapshotPolicy", "PrivateSampler", "Lookahead", "Prefetched", "sampling_warpers"]
+
+
+# ---------------------------------------------------------------------- sampling from a private generator
+
+
+def sampling_warpers(config) -> list[LogitsProcessor]:
+    """The warpers `generate` applies when `config.do_sample` (transformers' `_get_logits_processor`, same order)."""
+    warpers: list[LogitsProcessor] = []
+    keep = 1
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(lp.TemperatureLogitsWarper(config.temperature))
+    if getattr(config, "top_h", None) is not None:
+        warpers.append(lp.TopHLogitsWarper(top_h=config.top_h))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(lp.TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=keep))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(lp.TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=keep))
+    if config.min_p is not None:
+        warpers.append(lp.MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=keep))
+    if config.typical_p is not None and config.typical_p < 1.0:
+        warpers.append(lp.TypicalLogitsWarper(mass=config.typical_p, min_tokens_to_keep=keep))
+    if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
+        warpers.append(lp.EpsilonLogitsWarper(epsilon=config.epsilon_cutoff, min_tokens_to_keep=keep))
+    if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
+        warpers.append(lp.EtaLogitsWarper(epsilon=config.eta_cutoff, min_tokens_to_keep=keep))
+    return warpers
+
+
+class PrivateSampler(LogitsProcessor):
+    """Sampling as `generate(do_sample=True)` does it, drawn from `generator` instead of the global RNG.
+
+    Runs as the last logits processor of a greedy `generate`: it applies `warpers`, draws one
+    token per row from softmax of the warped scores, and returns scores that are -inf everywhere
+    but the drawn token, which greedy search then picks."""
+
+    def __init__(self, warpers: list[LogitsProcessor], generator: torch.Generator):
+        self.warpers = warpers
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1)
+        tokens = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(1, tokens, 0.0)
+
+
+def _seed(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+# ---------------------------------------------------------------------- the frozen copy of the policy
+
+
+def _fused_head_settings(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The settings of TRL's fused LM head patched onto `module` (`add_fused_lm_head`), or None."""
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, types.MethodType) or forward.__func__.__code__.co_name != "_fused_forward":
+        return None
+    function = forward.__func__
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+    return {k: cells[k].cell_contents for k in ("temperature", "cast_lm_head_to_fp32", "outputs") if k in cells}
+
+
+def _bound_to(function, originals: set[int]) -> bool:
+    """Whether `function`'s closure holds a method bound to one of the `originals` (module ids)."""
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, types.MethodType) and id(value.__self__) in originals:
+            return True
+    return False
+
+
+def snapshot_module(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` for generation: trainable parameters copied, frozen ones and buffers shared.
+
+    `copy.deepcopy` with the frozen tensors in its memo, so a LoRA model copies its adapter
+    alone. TRL's fused LM head (`add_fused_lm_head`) patches `forward` with a closure over the
+    *original* module's forward; deepcopy would keep that closure, and the copy would generate
+    with the live weights. It is patched afresh onto the copy, and any other patched `forward`
+    still bound to the original refuses to be copied."""
+    memo: dict[int, Any] = {id(p): p for p in module.parameters() if not p.requires_grad}
+    memo.update({id(b): b for b in module.buffers()})
+    snapshot = copy.deepcopy(module, memo)
+    originals = {id(m) for m in module.modules()}
+    for part in snapshot.modules():
+        settings = _fused_head_settings(part)
+        if settings is not None:
+            del part.__dict__["forward"]
+            add_fused_lm_head(part, **settings)
+        elif "forward" in part.__dict__ and _bound_to(getattr(part.__dict__["forward"], "__func__", None), originals):
+            raise TypeError(
+                f"max_staleness=1 cannot copy the policy: {type(part).__name__}.forward is patched with a closure "
+                "over the live module, so the copy would generate with the live weights. Set max_staleness=0."
+            )
+    snapshot.eval()
+    snapshot.requires_grad_(False)
+    return snapshot
+
+
+class SnapshotPolicy:
+    """A frozen copy of the policy (`snapshot_module`) that generates one turn the way TRL's HF
+    `_generate_single_turn` does (left-padded prompts, completions cut after the first EOS),
+    sampling from its own generator (`PrivateSampler`). `refresh` copies the live trainable
+    weights into it in place, so a full fine-tune allocates the copy once."""
+
+    def __init__(self, trainer: GRPOTrainer, live: torch.nn.Module):
+        self.trainer = trainer
+        self.module = snapshot_module(live)
+        live_params = dict(live.named_parameters())
+        self._pairs = [
+            (live_params[name], param) for name, param in self.module.named_parameters()
+            if live_params[name].requires_grad
+        ]
+        self.config = None
+        self.sampler: PrivateSampler | None = None
+        self.step = -1
+
+    def refresh(self, step: int, seed: int) -> None:
+        """Take the live weights of optimizer step `step` and the training generation settings now,
+        and reseed the sampler from (`seed`, `step`)."""
+        with torch.no_grad():
+            for live, copied in self._pairs:
+                copied.copy_(live)
+        config = copy.deepcopy(self.trainer.generation_config)
+        warpers = sampling_warpers(config) if config.do_sample else []
+        sample = bool(config.do_sample)
+        for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
+            if hasattr(config, name):
+                setattr(config, name, None)  # applied by the sampler; greedy `generate` would warn about them
+        config.do_sample = False
+        self.config = config
+        generator = torch.Generator(device=self.trainer.accelerator.device).manual_seed(seed)
+        self.sampler = PrivateSampler(warpers, generator) if sample else None
+        self.step = step
+
+    def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        tensors = [torch.tensor(ids) for ids in prompt_ids]
+        pad_id = trainer._tokenizer.pad_token_id
+        input_ids = pad(tensors, padding_value=pad_id, padding_side="left", pad_to_multiple_of=trainer.pad_to_multiple_of)
+        mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
+                   pad_to_multiple_of=trainer.pad_to_multiple_of)
+        processors = LogitsProcessorList([self.sampler] if self.sampler is not None else [])
+        with torch.no_grad():
+            output = self.module.generate(
+                input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=self.config,
+                logits_processor=processors,
+            )
+        completions = output[:, input_ids.size(1):]
+        is_eos = torch.isin(completions, torch.tensor(trainer.eos_token_ids, device=completions.device))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completions.device)
+        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+        keep = torch.arange(is_eos.size(1), device=completions.device).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
+        return [c[m].tolist() for c, m in zip(completions.cpu(), keep.cpu())], None
+
+    def score(self, steps) -> None:
+        """Set each step's `sampling_logprobs` to this policy's per-token log-probs of its completion,
+        computed on the training batch's tensors (`batching.padded_tensors`, this rank's row count
+        rounded up to `steps_per_generation`) by TRL's `_get_per_token_logps_and_entropies`."""
+        if not steps:
+            return
+        trainer = self.trainer
+        chunks = trainer.args.steps_per_generation
+        target = max(chunks, -(-len(steps) // chunks) * chunks)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer, steps, target)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        with torch.no_grad():
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                self.module, input_ids, attention_mask, completion_ids.size(1),
+                batch_size=trainer.args.per_device_train_batch_size,
+            )
+        for step, row in zip(steps, logps.float().cpu()):
+            step.sampling_logprobs = row[: len(step.completion_ids)].tolist()
+
+
+# ---------------------------------------------------------------------- rows ahead of the training loop
+
+
+class Lookahead:
+    """The Trainer's epoch iterator, with items ahead of it readable (`peek`) and each yielded
+    item's position known (`position`, by identity: TRL passes the yielded object on to
+    `_prepare_inputs`)."""
+
+    def __init__(self, iterator: Iterator, remember: int = 1024):
+        self.iterator = iterator
+        self.ahead: deque = deque()
+        self.yielded = 0
+        self.recent: deque = deque(maxlen=remember)
+        self.exhausted = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.ahead.popleft() if self.ahead else next(self.iterator)
+        self.recent.append((self.yielded, item))
+        self.yielded += 1
+        return item
+
+    def position(self, item) -> int | None:
+        for position, seen in reversed(self.recent):
+            if seen is item:
+                return position
+        return None
+
+    def peek(self, position: int):
+        """The item at `position` (not yet yielded), or None past the epoch's end."""
+        index = position - self.yielded
+        if index < 0:
+            return None
+        while len(self.ahead) <= index:
+            if self.exhausted:
+                return None
+            try:
+                self.ahead.append(next(self.iterator))
+            except StopIteration:
+                self.exhausted = True
+                return None
+        return self.ahead[index]
+
+
+# ---------------------------------------------------------------------- the background rollout
+
+
+@dataclass
+class Prefetched:
+    """A generation played ahead: its dataset rows, its rollout (steps carry the behaviour
+    log-probs) and the optimizer step whose weights played it."""
+
+    rows: list[dict[str, Any]]
+    rollout: Rollout
+    snapshot_step: int
+
+
+class _Background:
+    """One rollout on a daemon thread; `result()` joins it and raises its exception, if any, here."""
+
+    def __init__(self, rows, snapshot_step: int, play: Callable[[], Rollout]):
+        self.rows = rows
+        self.snapshot_step = snapshot_step
+        self._play = play
+        self._rollout: Rollout | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bipace-rollout-overlap", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                self._rollout = self._play()
+        except BaseException as err:  # noqa: BLE001 - raised on the main thread by `result`
+            self._error = err
+
+    def result(self) -> Prefetched:
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            error.add_note(
+                f"(raised in the background rollout of the generation prefetched at step {self.snapshot_step}; "
+                "max_staleness=0 plays it in the foreground)"
+            )
+            raise error
+        return Prefetched(self.rows, self._rollout, self.snapshot_step)
+
+
+class RolloutOverlap:
+    """The trainer's side of `max_staleness=1`; see the module docstring.
+
+    `trainer` is a `GRPOTrainer` whose `collector` plays the rollouts. The tasks of a
+    generation are `trainer.collector.task_refs(rows, group_size)`; the trainer calls `take`
+    at each training generation, `start_next` after it, `join` before evaluations and saves,
+    `close` at the end of `train`.
+    """
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+        self.iterator: Lookahead | None = None
+        self._source: Iterator | None = None
+        self.policy: SnapshotPolicy | None = None
+        self.running: _Background | None = None
+        self.ready: Prefetched | None = None  # joined, not yet taken (saved by a checkpoint)
+        self.resumed: Prefetched | None = None  # loaded from a checkpoint, matched by row content
+
+    @property
+    def generate_every(self) -> int:
+        return self.trainer.args.steps_per_generation * self.trainer.num_iterations
+
+    def lookahead(self, epoch_iterator: Iterator) -> Lookahead:
+        """`epoch_iterator` wrapped once per epoch (the Trainer makes a new iterator each epoch)."""
+        if isinstance(epoch_iterator, Lookahead):
+            return epoch_iterator
+        if epoch_iterator is not self._source:
+            self._source, self.iterator = epoch_iterator, Lookahead(epoch_iterator)
+        return self.iterator
+
+    def join(self) -> None:
+        """Wait for the rollout in flight (its error, if any, is raised here)."""
+        if self.running is not None:
+            running, self.running = self.running, None
+            self.ready = running.result()
+
+    def take(self, rows: list[dict[str, Any]]) -> Prefetched | None:
+        """The prefetched rollout of `rows` (the generation's dataset rows), joined; None if it
+        was not prefetched (the first generation, an epoch's first one, a resampled batch)."""
+        self.join()
+        for attr in ("ready", "resumed"):
+            prefetched = getattr(self, attr)
+            if prefetched is None:
+                continue
+            if prefetched.rows is rows or (attr == "resumed" and prefetched.rows == rows):
+                setattr(self, attr, None)
+                return prefetched
+        self.ready = None  # rows it was played for never came (the schedule changed): not trained on
+        return None
+
+    def start_next(self, rows: list[dict[str, Any]]) -> bool:
+        """Start playing the generation after `rows` on a background thread with a snapshot of
+        the current weights. Returns False when its rows are not known yet (an epoch's end)."""
+        if self.iterator is None or self.running is not None:
+            return False
+        position = self.iterator.position(rows)
+        upcoming = self.iterator.peek(position + self.generate_every) if position is not None else None
+        if upcoming is None:
+            return False
+        trainer = self.trainer
+        live = trainer.accelerator.unwrap_model(trainer.model)
+        if self.policy is None:
+            self.policy = SnapshotPolicy(trainer, live)
+        step, rank = trainer.state.global_step, trainer.accelerator.process_index
+        self.policy.refresh(step, _seed(trainer.args.seed, "overlap", step, rank))
+        collector, policy = trainer.collector, self.policy
+        tasks = collector.task_refs(upcoming, group_size=trainer.num_generations)
+        penalize = trainer.args.penalize_env_failures
+
+        def play() -> Rollout:
+            rollout = collector.collect("train", tasks, traj_offset=rank * len(tasks), policy=policy)
+            trained = rollout if penalize else rollout.without_failed_episodes()
+            policy.score(trained.steps)  # the steps the batch will hold, so the layouts agree
+            return rollout
+
+        self.running = _Background(upcoming, step, play)
+        return True
+
+    def close(self) -> None:
+        """Let a rollout in flight finish (its envs are reused) and drop what is left."""
+        try:
+            if self.running is not None:
+                self.running._thread.join()
+        finally:
+            self.running = self.ready = None
+            self.iterator = self._source = None
+
+    # -- checkpoints (`run.checkpointing`)
+    def state_dict(self) -> dict[str, Any] | None:
+        """The prefetched generation not yet trained on, for a checkpoint (call `join` first)."""
+        if self.ready is None:
+            return None
+        return {"rows": self.ready.rows, "rollout": self.ready.rollout, "snapshot_step": self.ready.snapshot_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resumed = Prefetched(state["rows"], state["rollout"], int(state["snapshot_step"]))
