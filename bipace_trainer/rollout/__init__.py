@@ -5,6 +5,7 @@
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
+    prefix_cache    HF generate that prefills only the prompt tokens whose KV is not known yet
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
@@ -21,7 +22,7 @@ rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for 
 import importlib as _importlib
 import warnings as _warnings
 
-_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "hidden", "prompting", "actions", "batching", "trajectories"}
+_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "prefix_cache", "hidden", "prompting", "actions", "batching", "trajectories"}
 
 
 def __getattr__(name):
