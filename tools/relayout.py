@@ -72,6 +72,7 @@ SUBPACKAGE_DOCS = {
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
+    prefix_cache    HF generate that prefills only the prompt tokens whose KV is not known yet
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
@@ -88,7 +89,7 @@ rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for 
 import importlib as _importlib
 import warnings as _warnings
 
-_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "hidden", "prompting", "actions", "batching", "trajectories"}
+_SUBMODULES = {"loop", "collector", "tool_envs", "vllm_backend", "prefix_cache", "hidden", "prompting", "actions", "batching", "trajectories"}
 
 
 def __getattr__(name):
@@ -209,7 +210,9 @@ GENERATED = {f"{PACKAGE}/{name}/__init__.py" for name in SUBPACKAGE_DOCS} | {f"{
 SKIP = GENERATED | {"tools/relayout.py", "tests/test_layout.py"}  # these name the old paths on purpose
 OLD = {f"{PACKAGE}.{old}": f"{PACKAGE}.{new}" for old, new in MOVES.items()}
 PACKAGES = {f"{PACKAGE}.{name}" for name in SUBPACKAGE_DOCS}  # `bipace_trainer.rollout`: a real package now
-ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")}
+# rollout modules written after the move (no old flat path): never rewritten
+NEW_ROLLOUT_MODULES = {"prefix_cache"}
+ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | NEW_ROLLOUT_MODULES
 
 
 def reference_patterns() -> list[tuple[re.Pattern, str]]:
