@@ -55,14 +55,23 @@ MIN_SHARED_TOKENS = 8
 DEFAULT_STORE_BYTES = 256 * 2**20
 
 
+def _base(model):
+    """The transformers model under a PEFT wrapper (whose own signatures are **kwargs)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _cache_kwarg(model) -> str:
-    """`cache` in transformers >= 5.20, `past_key_values` before (the name generate and forward take)."""
-    params = inspect.signature(type(model).prepare_inputs_for_generation).parameters
+    """`cache` in recent transformers 5.x, `past_key_values` before (the name generate and forward take)."""
+    params = inspect.signature(type(_base(model)).prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 def supports_prefix_reuse(model) -> str:
     """"" when `model`'s generate can start from a stitched `DynamicCache`; else why not (for a warning)."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return "a PEFT prompt-learning adapter adds virtual tokens to every forward"
+    model = _base(model)
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return "it is not a decoder-only model"
@@ -232,7 +241,7 @@ class PrefixReuse:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache(config=model.config.get_text_config(decoder=True))
             kwargs = {_cache_kwarg(model): cache, "use_cache": True}
-            if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            if "logits_to_keep" in inspect.signature(_base(model).forward).parameters:
                 kwargs["logits_to_keep"] = 1
             model(input_ids=ids, attention_mask=mask, position_ids=position_ids, **kwargs)
             kv = [(layer.keys, layer.values) for layer in cache.layers]
@@ -286,10 +295,15 @@ class PrefixReuse:
 
     # -- generation
     @torch.no_grad()
-    def generate(self, model, prepared: Prepared, generation_config, eos_token_ids, remember: bool = True, **kwargs):
-        """model.generate over the prepared batch; completions cut after the first EOS, as TRL's HF path."""
-        self.counts["prompt_tokens_encoded"] += prepared.encoded
-        self.counts["prompt_tokens_reused"] += prepared.reused
+    def generate(
+        self, model, prepared: Prepared, generation_config, eos_token_ids, remember: bool = True, counted: bool = True,
+        **kwargs,
+    ):
+        """model.generate over the prepared batch; completions cut after the first EOS, as TRL's HF path.
+        `remember`: keep the rows' sequences in the store; `counted`: add the call to `take_counts`."""
+        if counted:
+            self.counts["prompt_tokens_encoded"] += prepared.encoded
+            self.counts["prompt_tokens_reused"] += prepared.reused
         if not prepared.prompt_ids:
             return []
         cache = prepared.cache
