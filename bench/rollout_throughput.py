@@ -72,6 +72,7 @@ from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer
 from bipace_trainer.rollout.loop import RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from bipace_trainer.rollout.prefix_cache import PrefixReuse
 from envs.base import resolve_env_class
 from envs.vector import VectorEnv
 
@@ -96,6 +97,8 @@ def parse_args(argv=None):
     parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
     parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
     parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
+    parser.add_argument("--prefix-reuse", action="store_true",
+                        help="HF path: also play lockstep (1 call/turn) and continuous (N/2) with hf_prefix_cache")
     parser.add_argument("--simulate", action="store_true", help="only the simulated engine (no model): scaling to 512 episodes")
     parser.add_argument("--calibrate", action="store_true",
                         help="with --simulate: also fit this machine's HF generate cost and env step times and simulate them")
@@ -295,15 +298,31 @@ class PeakRSS:
 
 
 MODE_VARIANTS = (("lockstep", "all"), ("lockstep", "half"), ("continuous", "half"))
+# with --prefix-reuse (HF generate): the same tasks again with `hf_prefix_cache` (rollout.prefix_cache)
+REUSE_VARIANTS = (("lockstep", "all"), ("continuous", "half"))
 
 
-def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
-    """One rollout of `tasks` in `mode`, calls of at most `batch_size` (0: all)."""
+def mode_variants(args) -> list[tuple[str, str, bool]]:
+    reuse = [(m, s, True) for m, s in REUSE_VARIANTS] if args.prefix_reuse and not args.vllm else []
+    return [(m, s, False) for m, s in MODE_VARIANTS] + reuse
+
+
+def variant_name(mode: str, size: str, reuse: bool) -> str:
+    return f"{mode}_{size}" + ("_reuse" if reuse else "")
+
+
+def play_mode(trainer, env: str, tasks, mode: str, batch_size: int, reuse=None) -> dict:
+    """One rollout of `tasks` in `mode`, calls of at most `batch_size` (0: all); HF generate
+    through `reuse` (a `PrefixReuse`) when given, as `hf_prefix_cache=True` does."""
     settings = dataclasses.replace(trainer.collector.settings, mode=mode, rollout_batch_size=batch_size)
     envs = VectorEnv(env, len(tasks), backend="serial")
     prefix_cache = trainer.collector.prefix_cache  # vLLM colocate: what its prefix cache reused
     if prefix_cache is not None:
         prefix_cache.take()
+    if not trainer.use_vllm:
+        trainer.collector.hf_prefix = reuse
+        if reuse is not None:
+            reuse.take_counts()
     try:
         with PeakRSS() as rss:
             start = time.perf_counter()
@@ -311,8 +330,13 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
             seconds = time.perf_counter() - start
     finally:
         envs.close()
+        if reuse is not None:
+            reuse.clear()
     if prefix_cache is not None:  # as the collector adds them to a training rollout's counts
         rollout.prompt_counts.update(prefix_cache.take())
+    elif not trainer.use_vllm:  # HF generate: what PrefixReuse saved, or every prompt token encoded
+        rollout.prompt_counts.update(trainer.collector._prefix_reuse(rollout))
+        trainer.collector.hf_prefix = None
     metrics = rollout.metrics()
     return {
         "seconds": seconds,
@@ -345,10 +369,17 @@ def compare_modes(trainer, args) -> list[dict]:
         for count in args.mode_episodes:
             tasks = task_refs(env, count)
             sizes = {"all": 0, "half": max(count // 2, 1)}
+            variants = mode_variants(args)
+            reuse = PrefixReuse(store_bytes=trainer.args.hf_prefix_cache_store_mb * 2**20) if variants[-1][2] else None
             play_mode(trainer, env, tasks, "lockstep", 0)  # warm-up: first-call costs out of the timings
+            if reuse is not None:
+                play_mode(trainer, env, tasks, "lockstep", 0, reuse)
             rounds = []
             for _ in range(args.repeats):
-                rounds.append({f"{mode}_{size}": play_mode(trainer, env, tasks, mode, sizes[size]) for mode, size in MODE_VARIANTS})
+                rounds.append({
+                    variant_name(mode, size, r): play_mode(trainer, env, tasks, mode, sizes[size], reuse if r else None)
+                    for mode, size, r in variants
+                })
             row = {"env": env, "episodes": count, "batch_sizes": sizes, "rounds": rounds}
             for name in rounds[0]:
                 run = median_of([r[name] for r in rounds])
@@ -359,22 +390,34 @@ def compare_modes(trainer, args) -> list[dict]:
                 ratios = [r["continuous_half"]["tokens"] / r["continuous_half"]["seconds"]
                           / (r[base]["tokens"] / r[base]["seconds"]) for r in rounds]
                 row[f"ratio_continuous_vs_{base}"] = statistics.median(ratios)
+            for base in [variant_name(m, s, False) for m, s, r in variants if r]:  # episodes/s, reuse / without
+                ratios = [r[base]["seconds"] / r[f"{base}_reuse"]["seconds"] for r in rounds]
+                row[f"ratio_{base}_reuse_vs_without"] = statistics.median(ratios)
             rows.append(row)
     return rows
 
 
 def report_modes(rows) -> None:
     print("\nlockstep against continuous (same tasks, alternating; continuous/lockstep: median of per-round tokens/s ratios)")
-    print(f"{'env':>10}{'eps':>5}{'variant':>18}{'calls':>7}{'eps/s':>8}{'tok/s':>9}{'idle':>7}{'envwait':>9}{'RSS MB':>8}")
+    print(f"{'env':>10}{'eps':>5}{'variant':>24}{'calls':>7}{'eps/s':>8}{'tok/s':>9}{'idle':>7}{'envwait':>9}{'RSS MB':>8}")
     for row in rows:
-        for name, _ in [(f"{m}_{s}", None) for m, s in MODE_VARIANTS]:
+        for name in [variant_name(m, s, r) for m, s, r in variants_of(row)]:
             run = row[name]
-            print(f"{row['env']:>10}{row['episodes']:>5}{name:>18}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
+            print(f"{row['env']:>10}{row['episodes']:>5}{name:>24}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
                   f"{run['tokens_per_s']:>9,.0f}{run['engine_idle_share']:>7.1%}{run['env_wait_share']:>9.1%}"
                   f"{run['peak_rss_bytes'] / 2**20:>8,.0f}"
                   + (f"  prefix cache hit {run['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in run else ""))
         print(f"{'':>15}continuous/lockstep(all) {row['ratio_continuous_vs_lockstep_all']:.2f}, "
               f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}")
+        reuse = [k for k in row if k.endswith("_reuse_vs_without")]
+        if reuse:
+            print(f"{'':>15}episodes/s with prefix reuse / without: " + ", ".join(
+                f"{k.removeprefix('ratio_').removesuffix('_reuse_vs_without')} {row[k]:.2f}" for k in reuse))
+
+
+def variants_of(row) -> list[tuple[str, str, bool]]:
+    """The variants a row of `compare_modes` holds, in the printed order."""
+    return [(m, s, r) for m, s in MODE_VARIANTS for r in (False, True) if variant_name(m, s, r) in row]
 
 
 @contextlib.contextmanager
@@ -585,6 +628,7 @@ def main(argv=None):
             trainer.close_envs()
             result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
                       "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
+                      "prefix_reuse": "variants *_reuse: hf_prefix_cache (rollout.prefix_cache)" if args.prefix_reuse else "",
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
                       "machine": common.machine(), "median_of": args.repeats}
             common.write_json(args.out, result)
