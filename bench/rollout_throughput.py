@@ -97,6 +97,8 @@ def parse_args(argv=None):
     parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
     parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
     parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="episodes per task in the modes comparison (a GRPO group; 1: every episode its own task)")
     parser.add_argument("--prefix-reuse", action="store_true",
                         help="HF path: also play lockstep (1 call/turn) and continuous (N/2) with hf_prefix_cache")
     parser.add_argument("--simulate", action="store_true", help="only the simulated engine (no model): scaling to 512 episodes")
@@ -199,9 +201,10 @@ def tokens_per_s(run: dict) -> float:
     return run["tokens"] / run["seconds"]
 
 
-def task_refs(env: str, count: int) -> list[TaskRef]:
+def task_refs(env: str, count: int, group_size: int = 1) -> list[TaskRef]:
+    """`count` episodes, `group_size` in a row on the same task (a GRPO group: G rollouts of one task)."""
     specs = resolve_env_class(env).tasks("train")
-    return [TaskRef(specs[i % len(specs)].task_id, group=i) for i in range(count)]
+    return [TaskRef(specs[(i // group_size) % len(specs)].task_id, group=i // group_size) for i in range(count)]
 
 
 def lockstep(trainer, tasks) -> dict:
@@ -367,7 +370,7 @@ def compare_modes(trainer, args) -> list[dict]:
             invalid_action=resolve_env_class(env).invalid_action,
         )
         for count in args.mode_episodes:
-            tasks = task_refs(env, count)
+            tasks = task_refs(env, count, args.group_size)
             sizes = {"all": 0, "half": max(count // 2, 1)}
             variants = mode_variants(args)
             reuse = PrefixReuse(store_bytes=trainer.args.hf_prefix_cache_store_mb * 2**20) if variants[-1][2] else None
@@ -630,7 +633,7 @@ def main(argv=None):
                       "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
                       "prefix_reuse": "variants *_reuse: hf_prefix_cache (rollout.prefix_cache)" if args.prefix_reuse else "",
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
-                      "machine": common.machine(), "median_of": args.repeats}
+                      "group_size": args.group_size, "machine": common.machine(), "median_of": args.repeats}
             common.write_json(args.out, result)
             print(f"wrote {args.out}")
             return result

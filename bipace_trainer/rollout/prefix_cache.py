@@ -87,11 +87,13 @@ def supports_prefix_reuse(model) -> str:
     return ""
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a, b) -> int:
+    """Length of the common prefix of two token sequences (lists or 1-D tensors)."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    ta, tb = torch.tensor(a[:n]), torch.tensor(b[:n])
+    ta = a[:n] if isinstance(a, torch.Tensor) else torch.tensor(a[:n])
+    tb = b[:n] if isinstance(b, torch.Tensor) else torch.tensor(b[:n])
     diff = (ta != tb).nonzero()
     return int(diff[0]) if len(diff) else n
 
@@ -101,6 +103,10 @@ class _Entry:
     ids: list[int]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, (H, len(ids), D) each
     nbytes: int
+    tokens: torch.Tensor = None  # ids as a tensor, for matching
+
+    def __post_init__(self):
+        self.tokens = torch.tensor(self.ids, dtype=torch.long)
 
 
 class PrefixStore:
@@ -118,8 +124,9 @@ class PrefixStore:
     def match(self, ids: list[int]) -> tuple[int | None, int]:
         """(key, length) of the entry sharing the longest prefix with `ids`; (None, 0) if none."""
         best, best_len = None, 0
+        tokens = torch.tensor(ids, dtype=torch.long)
         for key, entry in self.entries.items():
-            length = _common_prefix(entry.ids, ids)
+            length = _common_prefix(entry.tokens, tokens)
             if length > best_len:
                 best, best_len = key, length
         return best, best_len
@@ -215,7 +222,7 @@ class PrefixReuse:
                 key, length = self.store.match(ids)
                 length = min(length, len(ids) - 1)
                 if key is not None and length > 0:
-                    sources[i] = _Source(self.store.entries[key].kv, None, 0, length, store_key=key)
+                    sources[i] = _Source(self.store.get(key).kv, None, 0, length, store_key=key)
         shared = self._shared_lengths(prompt_ids)
         wants = [
             i for i, s in enumerate(shared) if s >= self.min_shared and s > (sources[i].length if sources[i] else 0)
