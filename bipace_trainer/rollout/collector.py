@@ -259,7 +259,7 @@ class RolloutCollector:
         """`PrefixReuse` when `hf_prefix_cache` is on and nothing in TRL's HF path it would skip is in
         use; otherwise None, with one warning saying why TRL's path is kept."""
         trainer, args = self.trainer, self.trainer.args
-        if not args.hf_prefix_cache or trainer.use_vllm:  # vLLM has its own prefix cache
+        if not getattr(args, "hf_prefix_cache", False) or trainer.use_vllm:  # vLLM has its own prefix cache
             return None
         config = trainer.generation_config
         reasons = [
