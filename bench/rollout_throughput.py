@@ -72,6 +72,7 @@ from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer
 from bipace_trainer.rollout.loop import RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from bipace_trainer.rollout.prefix_cache import PrefixReuse
 from envs.base import resolve_env_class
 from envs.vector import VectorEnv
 
@@ -99,6 +100,10 @@ def parse_args(argv=None):
     parser.add_argument("--mode-envs", nargs="+", default=["textcraft"], help="envs of the lockstep/continuous comparison")
     parser.add_argument("--mode-episodes", type=int, nargs="+", default=[4, 16], help="episodes of that comparison (64: option)")
     parser.add_argument("--modes-only", action="store_true", help="only the lockstep/continuous comparison")
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="episodes per task in the modes comparison (a GRPO group; 1: every episode its own task)")
+    parser.add_argument("--prefix-reuse", action="store_true",
+                        help="HF path: also play lockstep (1 call/turn) and continuous (N/2) with hf_prefix_cache")
     parser.add_argument("--simulate", action="store_true", help="only the simulated engine (no model): scaling to 512 episodes")
     parser.add_argument("--calibrate", action="store_true",
                         help="with --simulate: also fit this machine's HF generate cost and env step times and simulate them")
@@ -201,9 +206,10 @@ def tokens_per_s(run: dict) -> float:
     return run["tokens"] / run["seconds"]
 
 
-def task_refs(env: str, count: int) -> list[TaskRef]:
+def task_refs(env: str, count: int, group_size: int = 1) -> list[TaskRef]:
+    """`count` episodes, `group_size` in a row on the same task (a GRPO group: G rollouts of one task)."""
     specs = resolve_env_class(env).tasks("train")
-    return [TaskRef(specs[i % len(specs)].task_id, group=i) for i in range(count)]
+    return [TaskRef(specs[(i // group_size) % len(specs)].task_id, group=i // group_size) for i in range(count)]
 
 
 def lockstep(trainer, tasks) -> dict:
@@ -303,19 +309,34 @@ MODE_VARIANTS = (("lockstep", "all"), ("lockstep", "half"), ("continuous", "half
 # vLLM colocate streams continuous through its engine: there "all" (no cap on the requests in the
 # engine) is the natural setting, and it no longer degenerates into lockstep
 STREAM_VARIANTS = MODE_VARIANTS + (("continuous", "all"),)
+# with --prefix-reuse (HF generate): the same tasks again with `hf_prefix_cache` (rollout.prefix_cache)
+REUSE_VARIANTS = (("lockstep", "all"), ("continuous", "half"))
 
 
-def mode_variants(trainer) -> tuple:
-    return STREAM_VARIANTS if trainer.collector.can_stream else MODE_VARIANTS
+def mode_variants(args, trainer) -> list[tuple[str, str, bool]]:
+    """(mode, call size, prefix reuse) of each variant: the streaming one where vLLM colocate streams,
+    the reuse ones with --prefix-reuse on HF generate."""
+    plain = STREAM_VARIANTS if trainer.collector.can_stream else MODE_VARIANTS
+    reuse = [(m, s, True) for m, s in REUSE_VARIANTS] if args.prefix_reuse and not args.vllm else []
+    return [(m, s, False) for m, s in plain] + reuse
 
 
-def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
-    """One rollout of `tasks` in `mode`, calls of at most `batch_size` (0: all)."""
+def variant_name(mode: str, size: str, reuse: bool) -> str:
+    return f"{mode}_{size}" + ("_reuse" if reuse else "")
+
+
+def play_mode(trainer, env: str, tasks, mode: str, batch_size: int, reuse=None) -> dict:
+    """One rollout of `tasks` in `mode`, calls of at most `batch_size` (0: all); HF generate
+    through `reuse` (a `PrefixReuse`) when given, as `hf_prefix_cache=True` does."""
     settings = dataclasses.replace(trainer.collector.settings, mode=mode, rollout_batch_size=batch_size)
     envs = VectorEnv(env, len(tasks), backend="serial")
     prefix_cache = trainer.collector.prefix_cache  # vLLM colocate: what its prefix cache reused
     if prefix_cache is not None:
         prefix_cache.take()
+    if not trainer.use_vllm:
+        trainer.collector.hf_prefix = reuse
+        if reuse is not None:
+            reuse.take_counts()
     try:
         with PeakRSS() as rss:
             start = time.perf_counter()
@@ -324,8 +345,13 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int) -> dict:
             seconds = time.perf_counter() - start
     finally:
         envs.close()
+        if reuse is not None:
+            reuse.clear()
     if prefix_cache is not None:  # as the collector adds them to a training rollout's counts
         rollout.prompt_counts.update(prefix_cache.take())
+    elif not trainer.use_vllm:  # HF generate: what PrefixReuse saved, or every prompt token encoded
+        rollout.prompt_counts.update(trainer.collector._prefix_reuse(rollout))
+        trainer.collector.hf_prefix = None
     metrics = rollout.metrics()
     return {
         "seconds": seconds,
@@ -357,13 +383,19 @@ def compare_modes(trainer, args) -> list[dict]:
             invalid_action=resolve_env_class(env).invalid_action,
         )
         for count in args.mode_episodes:
-            tasks = task_refs(env, count)
+            tasks = task_refs(env, count, args.group_size)
             sizes = {"all": 0, "half": max(count // 2, 1)}
+            variants = mode_variants(args, trainer)
+            reuse = PrefixReuse(store_bytes=trainer.args.hf_prefix_cache_store_mb * 2**20) if variants[-1][2] else None
             play_mode(trainer, env, tasks, "lockstep", 0)  # warm-up: first-call costs out of the timings
+            if reuse is not None:
+                play_mode(trainer, env, tasks, "lockstep", 0, reuse)
             rounds = []
             for _ in range(args.repeats):
-                rounds.append({f"{mode}_{size}": play_mode(trainer, env, tasks, mode, sizes[size])
-                               for mode, size in mode_variants(trainer)})
+                rounds.append({
+                    variant_name(mode, size, r): play_mode(trainer, env, tasks, mode, sizes[size], reuse if r else None)
+                    for mode, size, r in variants
+                })
             row = {"env": env, "episodes": count, "batch_sizes": sizes, "rounds": rounds}
             for name in rounds[0]:
                 run = median_of([r[name] for r in rounds])
@@ -378,6 +410,9 @@ def compare_modes(trainer, args) -> list[dict]:
                 row["ratio_continuous_all_vs_lockstep_all"] = statistics.median(
                     r["continuous_all"]["tokens"] / r["continuous_all"]["seconds"]
                     / (r["lockstep_all"]["tokens"] / r["lockstep_all"]["seconds"]) for r in rounds)
+            for base in [variant_name(m, s, False) for m, s, r in variants if r]:  # episodes/s, reuse / without
+                ratios = [r[base]["seconds"] / r[f"{base}_reuse"]["seconds"] for r in rounds]
+                row[f"ratio_{base}_reuse_vs_without"] = statistics.median(ratios)
             rows.append(row)
     return rows
 
@@ -385,11 +420,11 @@ def compare_modes(trainer, args) -> list[dict]:
 def report_modes(rows) -> None:
     print("\nlockstep against continuous (same tasks, alternating; continuous/lockstep: median of per-round tokens/s ratios;"
           " calls: engine steps where continuous streams through vLLM's engine)")
-    print(f"{'env':>10}{'eps':>5}{'variant':>18}{'calls':>7}{'eps/s':>8}{'tok/s':>9}{'idle':>7}{'envwait':>9}{'RSS MB':>8}")
+    print(f"{'env':>10}{'eps':>5}{'variant':>24}{'calls':>7}{'eps/s':>8}{'tok/s':>9}{'idle':>7}{'envwait':>9}{'RSS MB':>8}")
     for row in rows:
-        for name in [f"{m}_{s}" for m, s in STREAM_VARIANTS if f"{m}_{s}" in row]:
+        for name in [variant_name(m, s, r) for m, s, r in variants_of(row)]:
             run = row[name]
-            print(f"{row['env']:>10}{row['episodes']:>5}{name:>18}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
+            print(f"{row['env']:>10}{row['episodes']:>5}{name:>24}{run['generate_calls']:>7}{run['episodes_per_s']:>8.3f}"
                   f"{run['tokens_per_s']:>9,.0f}{run['engine_idle_share']:>7.1%}{run['env_wait_share']:>9.1%}"
                   f"{run['peak_rss_bytes'] / 2**20:>8,.0f}"
                   + (f"  prefix cache hit {run['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in run else ""))
@@ -397,6 +432,15 @@ def report_modes(rows) -> None:
               f"continuous/lockstep(half) {row['ratio_continuous_vs_lockstep_half']:.2f}"
               + (f", continuous(all)/lockstep(all) {row['ratio_continuous_all_vs_lockstep_all']:.2f}"
                  if "ratio_continuous_all_vs_lockstep_all" in row else ""))
+        reuse = [k for k in row if k.endswith("_reuse_vs_without")]
+        if reuse:
+            print(f"{'':>15}episodes/s with prefix reuse / without: " + ", ".join(
+                f"{k.removeprefix('ratio_').removesuffix('_reuse_vs_without')} {row[k]:.2f}" for k in reuse))
+
+
+def variants_of(row) -> list[tuple[str, str, bool]]:
+    """The variants a row of `compare_modes` holds, in the printed order."""
+    return [(m, s, r) for m, s in STREAM_VARIANTS for r in (False, True) if variant_name(m, s, r) in row]
 
 
 @contextlib.contextmanager
@@ -609,8 +653,9 @@ def main(argv=None):
             result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
                       "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
                       **({"vllm_max_num_seqs": args.vllm_max_num_seqs} if args.vllm else {}),
+                      "prefix_reuse": "variants *_reuse: hf_prefix_cache (rollout.prefix_cache)" if args.prefix_reuse else "",
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,
-                      "machine": common.machine(), "median_of": args.repeats}
+                      "group_size": args.group_size, "machine": common.machine(), "median_of": args.repeats}
             common.write_json(args.out, result)
             print(f"wrote {args.out}")
             return result

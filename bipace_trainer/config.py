@@ -92,7 +92,8 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "rollout_mode",
-        "max_staleness", "require_think", "action_key_tokens", "resample_without_signal", "resample_max_seconds", "penalize_env_failures",
+        "max_staleness", "hf_prefix_cache", "hf_prefix_cache_store_mb", "require_think", "action_key_tokens",
+        "resample_without_signal", "resample_max_seconds", "penalize_env_failures",
         "tool_errors",
     ),
     "what a run records": ("rollout_dump_steps",),
@@ -204,6 +205,17 @@ class BiPACEConfig(GRPOConfig):
         refused under ZeRO-3/FSDP, with TRL's tool envs and with `loss_type='vespo'`. An epoch's
         first generation plays in the foreground (its rows are not known earlier). See
         docs/rollout_modes.md.
+    hf_prefix_cache (`bool`, False): on the HF `generate` path, prefill only the prompt tokens whose KV
+        is not known yet (`rollout.prefix_cache`): prefixes a call's prompts share (a task's G
+        rollouts: the system text and task, at turn 0 the whole prompt) get one forward pass, and a
+        prompt that extends a sequence generated earlier in the rollout (a tool env's growing chat)
+        starts from its KV. Greedy completions equal TRL's path's; `rollout/prompt_tokens_encoded`
+        and `..._reused` count what it saved. TRL's path is kept (with a warning) under vLLM,
+        `use_transformers_continuous_batching`, a `cache_implementation`, `pad_to_multiple_of`,
+        ZeRO-3/FSDP, multimodal models, and models whose cache is not a plain `DynamicCache`.
+    hf_prefix_cache_store_mb (`int`, 256): bound in MB of the KV `hf_prefix_cache` keeps across the
+        calls of one rollout (least recently used first; cleared when the rollout ends); 0 keeps
+        none (sharing within a call only).
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,
@@ -378,6 +390,13 @@ class BiPACEConfig(GRPOConfig):
         default=0,
         metadata={"help": "1: play the next generation while the current update runs (a weight copy, IS-corrected); 0: off."},
     )
+    hf_prefix_cache: bool = field(
+        default=False,
+        metadata={"help": "HF generate: prefill only prompt tokens whose KV is not known (shared prefixes, earlier turns)."},
+    )
+    hf_prefix_cache_store_mb: int = field(
+        default=256, metadata={"help": "MB of KV hf_prefix_cache keeps across a rollout's calls (0: within a call only)."}
+    )
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})
     resample_without_signal: int = field(
@@ -495,6 +514,7 @@ class BiPACEConfig(GRPOConfig):
              f"must be below ddp_timeout ({self.ddp_timeout} s): the other ranks wait that long for a hung env's rank"),
             (self.rollout_batch_size >= 0, "rollout_batch_size", "must be >= 0 (0 = all active envs)"),
             (self.rollout_mode in ROLLOUT_MODES, "rollout_mode", f"must be one of {ROLLOUT_MODES}"),
+            (self.hf_prefix_cache_store_mb >= 0, "hf_prefix_cache_store_mb", "must be >= 0 (0 = reuse within a call only)"),
             (self.resample_without_signal >= 0, "resample_without_signal", "must be >= 0 (0 = skip a batch without signal)"),
             (self.resample_max_seconds >= 0, "resample_max_seconds", "must be >= 0 (0 = no time bound)"),
             (self.action_key_tokens >= 0, "action_key_tokens", "must be >= 0 (0 = key on the action text)"),

@@ -73,6 +73,7 @@ SUBPACKAGE_DOCS = {
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
     vllm_stream     the continuous rollout through vLLM's own continuous batching (colocate)
+    prefix_cache    HF generate that prefills only the prompt tokens whose KV is not known yet
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
@@ -91,8 +92,8 @@ import importlib as _importlib
 import warnings as _warnings
 
 _SUBMODULES = {
-    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching",
-    "trajectories", "overlap",
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "prefix_cache", "hidden", "prompting", "actions",
+    "batching", "trajectories", "overlap",
 }
 
 
@@ -215,7 +216,7 @@ SKIP = GENERATED | {"tools/relayout.py", "tests/test_layout.py"}  # these name t
 OLD = {f"{PACKAGE}.{old}": f"{PACKAGE}.{new}" for old, new in MOVES.items()}
 PACKAGES = {f"{PACKAGE}.{name}" for name in SUBPACKAGE_DOCS}  # `bipace_trainer.rollout`: a real package now
 # modules written inside rollout/ after the move: no old flat path, and never `rollout.loop.<name>`
-BORN_IN_ROLLOUT = {"overlap", "vllm_stream"}
+BORN_IN_ROLLOUT = {"overlap", "vllm_stream", "prefix_cache"}
 ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | BORN_IN_ROLLOUT
 
 

@@ -6,6 +6,7 @@
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
     vllm_stream     the continuous rollout through vLLM's own continuous batching (colocate)
+    prefix_cache    HF generate that prefills only the prompt tokens whose KV is not known yet
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
     batching        a rollout's steps made into TRL's training batch (one row per env step)
@@ -24,8 +25,8 @@ import importlib as _importlib
 import warnings as _warnings
 
 _SUBMODULES = {
-    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "hidden", "prompting", "actions", "batching",
-    "trajectories", "overlap",
+    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "prefix_cache", "hidden", "prompting", "actions",
+    "batching", "trajectories", "overlap",
 }
 
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from envs.base import resolve_env_class, stratified_subset
@@ -40,6 +43,7 @@ from envs.vector import VectorEnv
 from . import trajectories
 from .hidden import PrefillCapture, forward_hidden_states
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from .prefix_cache import PrefixReuse, supports_prefix_reuse
 from .tool_envs import ToolEnvAdapter, ToolSession
 from .vllm_backend import PrefixCacheCounter, WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
 from .vllm_stream import StreamTurns
@@ -255,10 +259,34 @@ class RolloutCollector:
             install_cpu_weight_loading(trainer.vllm_generation)
             self.weight_syncs = WeightSyncs(trainer.vllm_generation)
             self.prefix_cache = PrefixCacheCounter.for_generation(trainer.vllm_generation)
+        self.hf_prefix = self._hf_prefix_reuse()
         self.envs: dict[str, VectorEnv] = {}
         self.resumed_env_counters: dict[str, Any] | None = None  # added to the next train VectorEnv
         self.train_generations = self.healthy_generations = self.all_failed_streak = 0
         self.last_env_failure = ""
+
+    def _hf_prefix_reuse(self) -> PrefixReuse | None:
+        """`PrefixReuse` when `hf_prefix_cache` is on and nothing in TRL's HF path it would skip is in
+        use; otherwise None, with one warning saying why TRL's path is kept."""
+        trainer, args = self.trainer, self.trainer.args
+        if not getattr(args, "hf_prefix_cache", False) or trainer.use_vllm:  # vLLM has its own prefix cache
+            return None
+        config = trainer.generation_config
+        reasons = [
+            (trainer.use_transformers_continuous_batching, "use_transformers_continuous_batching is on"),
+            (config.cache_implementation is not None, f"cache_implementation={config.cache_implementation!r} is set"),
+            (trainer.pad_to_multiple_of is not None, "pad_to_multiple_of is set (the stitched batch has its own width)"),
+            (_sharded_forward(trainer), "ZeRO-3/FSDP runs every forward on all ranks together (the shared-prefix "
+             "pass runs only where prompts share a prefix)"),
+            (getattr(trainer, "_is_vlm", False), "the model is multimodal"),
+            ((config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1, "beam search / several sequences per prompt"),
+            (getattr(config, "prompt_lookup_num_tokens", None) is not None, "prompt lookup decoding is set"),
+        ]
+        reason = next((why for bad, why in reasons if bad), "") or supports_prefix_reuse(self._policy_module())
+        if reason:
+            warnings.warn(f"hf_prefix_cache=True is ignored: {reason}; generation goes through TRL's path.", stacklevel=3)
+            return None
+        return PrefixReuse(store_bytes=args.hf_prefix_cache_store_mb * 2**20)
 
     # -- tasks
     def task_refs(self, rows: list[dict[str, Any]], group_size: int) -> list[TaskRef]:
@@ -327,10 +355,13 @@ class RolloutCollector:
         hook = wants_hidden and args.hidden_capture == "hook" and not trainer.use_vllm
         module = policy.module if policy is not None else self._policy_module()
         capture = PrefillCapture(module, args.cluster_layer) if hook else contextlib.nullcontext()
-        with capture:
-            if policy is not None:
+        if policy is not None:  # a background rollout (`overlap`): the snapshot samples, never the prefix store
+            with capture:
                 completion_ids, logprobs = policy.generate(prompt_ids)
-            else:
+        elif self.hf_prefix is not None:
+            completion_ids, logprobs = self._generate_reusing_prefixes(prompt_ids, capture, real=bool(count)), None
+        else:
+            with capture:
                 completion_ids, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
         hidden, hidden_seconds = (capture.states if hook else None), 0.0
         if wants_hidden and args.hidden_capture == "forward":
@@ -360,6 +391,30 @@ class RolloutCollector:
         return StreamTurns(
             trainer, self._tokenize, self.prefix_cache, name=name, hidden=self._forward_hidden if wants_forward else None
         )
+
+    def _generate_reusing_prefixes(self, prompt_ids: list[list[int]], capture, real: bool) -> list[list[int]]:
+        """TRL's HF branch of `_generate_single_turn` (same unwrapping, generation config and
+        kwargs, EOS cut) through `PrefixReuse`. The shared-prefix pass runs before `capture` is
+        entered, so the hook sees generate's prefill, whose last column is still every row's last
+        prompt token. A dummy call (`real=False`) is neither counted nor remembered."""
+        trainer = self.trainer
+        with (
+            profiling_context(trainer, "transformers.generate"),
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                generation_kwargs=trainer.generation_kwargs,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as model,
+            torch.no_grad(),
+            trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+        ):
+            prepared = self.hf_prefix.prepare(model, prompt_ids, trainer._tokenizer.pad_token_id)
+            with capture:
+                return self.hf_prefix.generate(
+                    model, prepared, trainer.generation_config, trainer.eos_token_ids, remember=real, counted=real
+                )
 
     def _dummy_environment(self) -> Hashable:
         factories = self.trainer.environment_factories
@@ -438,11 +493,17 @@ class RolloutCollector:
             collective = self.settings.mode == "lockstep" or (trainer.use_vllm and not self.streams)
             if self.prefix_cache is not None:
                 self.prefix_cache.take()  # what calls outside rollouts (scoring probes) left
-            with self._turn_progress(name, len(tasks)) as on_turn:
-                rollout = run_rollouts(
-                    envs, tasks, self.generator(name), self.settings, sync=self.sync if collective else LocalSync(),
-                    traj_offset=traj_offset, on_turn=on_turn, adapter=self.source.adapter(self.settings),
-                )
+            if self.hf_prefix is not None:
+                self.hf_prefix.take_counts()
+            try:
+                with self._turn_progress(name, len(tasks)) as on_turn:
+                    rollout = run_rollouts(
+                        envs, tasks, self.generator(name), self.settings, sync=self.sync if collective else LocalSync(),
+                        traj_offset=traj_offset, on_turn=on_turn, adapter=self.source.adapter(self.settings),
+                    )
+            finally:
+                if self.hf_prefix is not None:
+                    self.hf_prefix.clear()  # the stored KV belongs to this rollout's weights
         rollout.prompt_counts.update(self._prefix_reuse(rollout))
         if name == "train":
             self._stop_if_every_env_failed(rollout)
@@ -454,7 +515,8 @@ class RolloutCollector:
             envs, tasks, functools.partial(self.generate_turn, policy=policy), self.settings, sync=LocalSync(),
             traj_offset=traj_offset, adapter=self.source.adapter(self.settings),
         )
-        rollout.prompt_counts.update(self._prefix_reuse(rollout))
+        # the snapshot's HF generate prefills every prompt token (the prefix store serves the live weights only)
+        rollout.prompt_counts.update(prompt_tokens_encoded=rollout.prompt_counts.get("prompt_tokens", 0), prompt_tokens_reused=0)
         return rollout
 
     def check_failures(self, rollout: Rollout) -> None:
@@ -464,9 +526,13 @@ class RolloutCollector:
     def _prefix_reuse(self, rollout: Rollout) -> dict[str, int]:
         """Prompt tokens the engine encoded vs reused from a cache in this rollout: vLLM colocate
         reads its prefix cache back (`PrefixCacheCounter`, dummy calls included); HF `generate`
-        prefills every prompt token (nothing reused); vLLM server mode reports nothing."""
+        with `hf_prefix_cache` counts what `PrefixReuse` prefilled and reused (dummy calls left
+        out), and without it prefills every prompt token (nothing reused); vLLM server mode
+        reports nothing."""
         if self.prefix_cache is not None:
             return self.prefix_cache.take()
+        if self.hf_prefix is not None:
+            return self.hf_prefix.take_counts()
         if self.trainer.use_vllm:
             return {}
         return {"prompt_tokens_encoded": rollout.prompt_counts.get("prompt_tokens", 0), "prompt_tokens_reused": 0}

@@ -49,3 +49,15 @@ def test_the_real_envs_play_both_modes_side_by_side(tmp_path):
     machine = result["machine"]
     assert machine["cpu"] and "load_average" in machine and machine["omp_num_threads"] == "1"
     assert "continuous/lockstep" in printed
+
+
+@pytest.mark.slow
+def test_prefix_reuse_variants_play_beside_the_plain_ones(tmp_path):
+    result, printed = run(tmp_path / "modes.json", "--modes-only", "--prefix-reuse")
+    (row,) = result["modes"]
+    for name in ("lockstep_all", "continuous_half"):
+        plain, reuse = row[name], row[f"{name}_reuse"]
+        assert plain["prompt_tokens_reused"] == 0 and plain["prompt_tokens_encoded"] == plain["prompt_tokens"]
+        assert reuse["prompt_tokens_encoded"] + reuse["prompt_tokens_reused"] == reuse["prompt_tokens"]
+        assert reuse["prefix_cache_hit_rate"] > 0 and row[f"ratio_{name}_reuse_vs_without"] > 0
+    assert "with prefix reuse / without" in printed
