@@ -12,6 +12,9 @@ from bipace_trainer.models import load_tokenizer
 
 from .tiny_setup import LORA, CapturingTrainer, tiny_args
 
+# each test takes seconds, but they need the warm-started policy, whose SFT (~50 s) only slow tests paid for
+pytestmark = pytest.mark.slow
+
 
 def trainer_for(warm_policy_dir, output_dir, **overrides):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(warm_policy_dir), load_tokenizer(warm_policy_dir)
