@@ -299,7 +299,8 @@ class BiPACETrainer(GRPOTrainer):
             prefetched = self._overlap.take(inputs)
         elif self._overlap is not None:  # TRL's evaluate plays on the same envs: the rollout in flight ends first
             self._overlap.join()
-        scored = self._scored_rollout(tasks, prefetched)
+        # a subclass's `_scored_rollout(self, tasks)` (a timing bench's, a recorder's) keeps working without overlap
+        scored = self._scored_rollout(tasks, prefetched) if prefetched is not None else self._scored_rollout(tasks)
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is
         # played again on freshly drawn tasks, up to `resample_without_signal` times. Every
         # rank draws and decides alike (`signal` is any over ranks), so all stay in lockstep.
