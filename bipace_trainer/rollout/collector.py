@@ -217,6 +217,11 @@ class ToolEnvSource:
 # ---------------------------------------------------------------------- the collector
 
 
+def _all_encoded(rollout: Rollout) -> dict[str, int]:
+    """The prefix counts of an HF `generate` that prefilled every prompt token (nothing reused)."""
+    return {"prompt_tokens_encoded": rollout.prompt_counts.get("prompt_tokens", 0), "prompt_tokens_reused": 0}
+
+
 class RolloutCollector:
     """Plays episodes with `trainer`'s policy on the envs of `source`; see the module docstring.
 
@@ -516,7 +521,7 @@ class RolloutCollector:
             traj_offset=traj_offset, adapter=self.source.adapter(self.settings),
         )
         # the snapshot's HF generate prefills every prompt token (the prefix store serves the live weights only)
-        rollout.prompt_counts.update(prompt_tokens_encoded=rollout.prompt_counts.get("prompt_tokens", 0), prompt_tokens_reused=0)
+        rollout.prompt_counts.update(_all_encoded(rollout))
         return rollout
 
     def check_failures(self, rollout: Rollout) -> None:
@@ -535,7 +540,7 @@ class RolloutCollector:
             return self.hf_prefix.take_counts()
         if self.trainer.use_vllm:
             return {}
-        return {"prompt_tokens_encoded": rollout.prompt_counts.get("prompt_tokens", 0), "prompt_tokens_reused": 0}
+        return _all_encoded(rollout)
 
     @contextlib.contextmanager
     def _turn_progress(self, name: str, num_envs: int):
