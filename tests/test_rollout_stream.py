@@ -224,11 +224,11 @@ def test_the_stream_counts_prompts_by_submission_and_reports_every_turn():
     assert turns == sorted(set(turns)) and turns[0] == 0 and turns[-1] <= 2
 
 
-def test_the_collector_streams_continuous_only_on_vllm_colocate_without_tensor_parallelism():
+def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without_tensor_parallelism():
     from types import SimpleNamespace
 
     from bipace_trainer.rollout.collector import RolloutCollector
-    from bipace_trainer.rollout.vllm_stream import StreamTurns
+    from bipace_trainer.rollout.vllm_stream import EngineStream, ServerStream, StreamTurns
 
     class Engine:  # what the collector's wrappers touch of TRL's colocated `LLM`
         def generate(self, *args, **kwargs):
@@ -240,17 +240,24 @@ def test_the_collector_streams_continuous_only_on_vllm_colocate_without_tensor_p
         runner = SimpleNamespace(device=SimpleNamespace(type="cuda"))  # not the CPU build: no weight shim
         llm = Engine()
         llm.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
-        generation = SimpleNamespace(mode=vllm_mode, llm=llm, sync_weights=lambda: None, tensor_parallel_size=tp)
+        client = SimpleNamespace(base_url="http://127.0.0.1:1", model="m")  # never reached: nothing is submitted
+        generation = SimpleNamespace(mode=vllm_mode, llm=llm if vllm_mode == "colocate" else None, vllm_client=client,
+                                     sync_weights=lambda: None, tensor_parallel_size=tp)
         accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), num_processes=2)
         trainer = SimpleNamespace(args=args, accelerator=accelerator, use_vllm=use_vllm, vllm_generation=generation,
-                                  is_fsdp_enabled=False, model=SimpleNamespace(training=True))
+                                  is_fsdp_enabled=False, model=SimpleNamespace(training=True),
+                                  state=SimpleNamespace(global_step=0), _last_loaded_step=0)
         return RolloutCollector(trainer, SimpleNamespace(env_class=None), needs_hidden=False)
 
-    streamed = collector("continuous")
-    assert streamed.streams and isinstance(streamed.generator("train"), StreamTurns)
-    assert isinstance(streamed.generator("train"), StreamingGenerator)
-    assert streamed.generator("train", mode="lockstep") == streamed.generate_turn
-    for plain in (collector("lockstep"), collector("continuous", tp=2), collector("continuous", vllm_mode="server"),
+    for vllm_mode, engine in (("colocate", EngineStream), ("server", ServerStream)):
+        streamed = collector("continuous", vllm_mode=vllm_mode)
+        stream = streamed.generator("train")
+        assert streamed.streams and isinstance(stream, StreamTurns) and isinstance(stream.engine, engine)
+        assert isinstance(stream, StreamingGenerator)
+        assert streamed.generator("train", mode="lockstep") == streamed.generate_turn
+        stream.close()
+    assert collector("continuous", vllm_mode="server", tp=2).streams  # the server's own TP is the server's business
+    for plain in (collector("lockstep"), collector("continuous", tp=2), collector("lockstep", vllm_mode="server"),
                   collector("continuous", use_vllm=False)):
         assert not plain.streams and plain.generator("train") == plain.generate_turn
     assert collector("lockstep").generator("eval", mode="continuous") != collector("lockstep").generate_turn  # the bench's

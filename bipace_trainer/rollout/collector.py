@@ -7,7 +7,7 @@
     collector.record(rollout, estimate)                            # completions table, rollout dumps
 
 It owns what a rollout needs of the trainer: generation per turn through TRL's own
-`_generate_single_turn` (HF generate or vLLM; continuous mode on vLLM colocate streams
+`_generate_single_turn` (HF generate or vLLM; continuous mode on vLLM streams
 requests through the engine instead, `vllm_stream`) with the sampling temperature in force,
 the actor's hidden states when the estimator needs them (`hidden`), one `VectorEnv` per
 use ("train", "eval") kept across generations, the rollout loop (`rollout.run_rollouts`,
@@ -252,18 +252,21 @@ class RolloutCollector:
                 "together, and continuous ranks make their calls independently); set rollout_mode='lockstep'."
             )
         self.weight_syncs = self.prefix_cache = None
-        # Continuous under vLLM colocate goes through the engine's own continuous batching
-        # (`vllm_stream`); server mode and colocate with tensor parallelism (TRL gathers a
-        # call's prompts over the TP group) stay call by call.
+        # Continuous under vLLM goes through the engine's own continuous batching
+        # (`vllm_stream`): colocate's engine, or the server's, one request per episode turn.
+        # Colocate with tensor parallelism (TRL gathers a call's prompts over the TP group)
+        # stays call by call.
+        vllm_mode = getattr(args, "vllm_mode", None)
         self.can_stream = bool(
             trainer.use_vllm
-            and getattr(args, "vllm_mode", None) == "colocate"
-            and getattr(args, "vllm_tensor_parallel_size", 1) == 1
+            and (vllm_mode == "server" or (vllm_mode == "colocate" and getattr(args, "vllm_tensor_parallel_size", 1) == 1))
         )
         if trainer.use_vllm:
             install_cpu_weight_loading(trainer.vllm_generation)
             self.weight_syncs = WeightSyncs(trainer.vllm_generation)
             self.prefix_cache = PrefixCacheCounter.for_generation(trainer.vllm_generation)
+            if self.prefix_cache is None and self.streams:  # the server stream's replies may say
+                self.prefix_cache = PrefixCacheCounter()
         self.hf_prefix = self._hf_prefix_reuse()
         self.envs: dict[str, VectorEnv] = {}
         self.resumed_env_counters: dict[str, Any] | None = None  # added to the next train VectorEnv
@@ -383,18 +386,19 @@ class RolloutCollector:
     @property
     def streams(self) -> bool:
         """Whether rollouts go through the engine's own continuous batching (`vllm_stream`):
-        continuous mode on vLLM colocate without tensor parallelism."""
+        continuous mode on vLLM server, or colocate without tensor parallelism."""
         return self.can_stream and self.settings.mode == "continuous"
 
     def generator(self, name: str, mode: str | None = None):
         """What `run_rollouts` generates with in `mode` (default: `rollout_mode`): `generate_turn`,
-        or for continuous on vLLM colocate (`can_stream`) a `StreamTurns` over the engine."""
+        or for continuous on vLLM server or colocate (`can_stream`) a `StreamTurns` over the engine."""
         if not (self.can_stream and (mode or self.settings.mode) == "continuous"):
             return self.generate_turn
         trainer, args = self.trainer, self.trainer.args
         wants_forward = self.needs_hidden and trainer.model.training and args.hidden_capture == "forward"
         return StreamTurns(
-            trainer, self._tokenize, self.prefix_cache, name=name, hidden=self._forward_hidden if wants_forward else None
+            trainer, self._tokenize, self.prefix_cache, name=name, hidden=self._forward_hidden if wants_forward else None,
+            max_in_flight=self.settings.rollout_batch_size or 256,
         )
 
     def _generate_reusing_prefixes(self, prompt_ids: list[list[int]], capture, real: bool) -> list[list[int]]:
@@ -533,9 +537,11 @@ class RolloutCollector:
         reads its prefix cache back (`PrefixCacheCounter`, dummy calls included); HF `generate`
         with `hf_prefix_cache` counts what `PrefixReuse` prefilled and reused (dummy calls left
         out), and without it prefills every prompt token (nothing reused); vLLM server mode
-        reports nothing."""
+        reports what the server stream's replies say (nothing call by call, or from a server
+        started without `--enable-prompt-tokens-details`)."""
         if self.prefix_cache is not None:
-            return self.prefix_cache.take()
+            engine_side = self.trainer.args.vllm_mode == "colocate"
+            return self.prefix_cache.take() if engine_side or self.prefix_cache.requests else {}
         if self.hf_prefix is not None:
             return self.hf_prefix.take_counts()
         if self.trainer.use_vllm:

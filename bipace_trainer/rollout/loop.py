@@ -114,7 +114,8 @@ class StreamingGenerator(Protocol):
     does not depend on which requests share an engine step); it returns the prompt ids.
     `step()` runs one engine step and returns the keys of the requests that finished in it
     and their `Generation` (one row each, in the engine's order). `abort()` drops every
-    request still in the engine (the rollout failed and will not collect them).
+    request still in the engine (the rollout failed and will not collect them). An optional
+    `close()` is called when the rollout ends, either way (a server stream's threads go).
     `environments` is as for `Generator`."""
 
     def submit(
@@ -815,5 +816,7 @@ def _continuous_stream(envs, generate, settings, sync, adapter, play, counter, s
         raise
     finally:
         state.close()
+        if (close := getattr(generate, "close", None)) is not None:
+            close()
     state.finish()
     return engine_steps

@@ -180,14 +180,19 @@ class PrefixCacheCounter:
     up, per request, `len(prompt_token_ids) - num_cached_tokens` (encoded) and
     `num_cached_tokens` (reused: their KV came from the cache). `take()` returns the tallies
     since the last `take()` as `prompt_tokens_encoded` / `prompt_tokens_reused` and starts
-    again. Server mode has no engine in this process: TRL's server answers with token ids
-    only, so there is nothing to read (`for_generation` returns None). With tensor parallelism
+    again. Server mode has no engine in this process: TRL's call-by-call client keeps only
+    token ids, so there is nothing to read (`for_generation` returns None); the server stream
+    (`vllm_stream.ServerStream`) feeds a counter built without an engine (`llm=None`) from the
+    replies of a server started with `--enable-prompt-tokens-details`. With tensor parallelism
     every rank of a group generates the whole group's prompts, so its tallies are the group's.
     """
 
-    def __init__(self, llm):
+    def __init__(self, llm=None):
         self.encoded = 0
         self.reused = 0
+        self.requests = 0  # requests counted since the last take()
+        if llm is None:  # fed by hand (`add`): the server stream's replies that report their cache hits
+            return
         # The wrapper lives on the engine, so it holds the engine weakly and its method unbound:
         # a reference cycle would keep a freed engine (and its memory) alive until a gc pass.
         generate, engine = type(llm).generate, weakref.ref(llm)
@@ -211,10 +216,11 @@ class PrefixCacheCounter:
             cached = min(int(getattr(output, "num_cached_tokens", None) or 0), prompt)
             self.encoded += prompt - cached
             self.reused += cached
+            self.requests += 1
 
     def take(self) -> dict[str, int]:
         counts = {"prompt_tokens_encoded": self.encoded, "prompt_tokens_reused": self.reused}
-        self.encoded = self.reused = 0
+        self.encoded = self.reused = self.requests = 0
         return counts
 
 

@@ -29,10 +29,23 @@ step go to their envs while the others keep decoding (`loop._continuous_stream`)
   `hidden_capture="forward"` asks for them (the "hook" capture comes from the old-logprob
   pass, `batching.py`, as on every vLLM path).
 
-Where it is not used (`RolloutCollector.streams`): vLLM server mode (the engine is another
-process; TRL's client sends a whole call), and colocate with tensor parallelism (TRL gathers
-every call's prompts across the TP group, whose ranks must then make the same calls:
-the call-by-call path stays).
+Server mode (`ServerStream`): the engine is another process, vLLM's own OpenAI-compatible
+server (what `trl vllm-serve` runs in TRL 1.16), whose async engine batches concurrent
+requests continuously. Each episode's prompt goes out as its own `/v1/completions` request
+(token ids in, TRL's server payload: `server_sampling_params`, plus the per-request seed) on
+a worker thread the moment the episode is ready, and `step()` collects the requests that
+finished, waiting at most `poll_seconds` for one, so env steps that finish meanwhile still
+land. Every rank sends its own requests (no gather over ranks, unlike TRL's call, which
+slices one main-process call): ranks play on their own as on colocate. The weights move once
+per step before the rollout's first request (TRL's `sync_weights`: the main process pushes,
+the others take part in the parameter walk), then every rank waits at a barrier, so no rank
+samples from the previous step's weights on the server. The server reports prompt tokens
+from its prefix cache only when started with `--enable-prompt-tokens-details`; without it
+nothing is counted. `rollout/engine_steps` counts collection rounds in server mode.
+
+Where it is not used (`RolloutCollector.streams`): colocate with tensor parallelism (TRL
+gathers every call's prompts across the TP group, whose ranks must then make the same
+calls: the call-by-call path stays).
 """
 
 from __future__ import annotations
@@ -40,12 +53,21 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from .loop import Generation
 
-__all__ = ["Finished", "EngineStream", "colocate_sampling_params", "request_seed", "StreamTurns"]
+__all__ = [
+    "Finished",
+    "EngineStream",
+    "ServerStream",
+    "colocate_sampling_params",
+    "server_sampling_params",
+    "request_seed",
+    "StreamTurns",
+]
 
 _streams = itertools.count()
 
@@ -55,13 +77,14 @@ class Finished:
     """One finished request: its key, prompt and completion ids, the sampled token's logprob
     per completion token (None where vLLM gave NaN; the list is None without logprobs), and
     how many prompt tokens the engine took from its prefix cache (`PrefixCacheCounter.add`
-    reads `prompt_token_ids` and `num_cached_tokens`, as on a `RequestOutput`)."""
+    reads `prompt_token_ids` and `num_cached_tokens`, as on a `RequestOutput`; None where a
+    server does not report it)."""
 
     key: Hashable
     prompt_token_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float | None] | None
-    num_cached_tokens: int
+    num_cached_tokens: int | None
 
 
 def request_seed(*parts: Any) -> int:
@@ -96,6 +119,30 @@ def colocate_sampling_params(vllm_generation, seed: int | None):
         kwargs["seed"] = seed
     params = SamplingParams(**kwargs)
     params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+def server_sampling_params(vllm_generation, seed: int | None) -> dict:
+    """The sampling part of the `/v1/completions` payload TRL's server mode sends
+    (`VLLMGeneration.generate` → `VLLMClient.generate`, TRL 1.16) for one completion, with
+    `seed`: the same fields, the regex as `structured_outputs`, the user's `generation_kwargs`
+    over them, the seed last."""
+    g = vllm_generation
+    params = {
+        "n": 1,
+        "repetition_penalty": g.repetition_penalty,
+        "temperature": g.temperature,
+        "top_p": g.top_p,
+        "top_k": g.top_k,
+        "min_p": 0.0 if g.min_p is None else g.min_p,
+        "max_tokens": g.max_completion_length,
+        "logprobs": g.logprobs,
+    }
+    if g.structured_outputs_regex is not None:
+        params["structured_outputs"] = {"regex": g.structured_outputs_regex}
+    params.update(g.generation_kwargs or {})
+    if seed is not None:
+        params["seed"] = seed
     return params
 
 
@@ -150,29 +197,124 @@ class EngineStream:
             self.keys.clear()
 
 
+class ServerStream:
+    """Requests sent to a vLLM server one by one, each its own HTTP request, and collected as
+    they finish (module doc). The server's engine batches whatever is in flight continuously.
+
+    Args:
+        client: TRL's `VLLMClient` (its `base_url`, `model` and retrying `_post`, which TRL
+            itself calls from several threads).
+        max_in_flight: requests in flight at most (worker threads); more wait in the pool's queue.
+        poll_seconds: how long `step()` waits for a reply before returning none.
+    """
+
+    def __init__(self, client, max_in_flight: int = 256, poll_seconds: float = 0.02):
+        self.client = client
+        self.url = f"{client.base_url}/v1/completions"
+        self.poll_seconds = poll_seconds
+        self.pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="bipace-server-stream")
+        self.order = itertools.count()
+        self.pending: dict[Future, tuple[int, Hashable, list[int]]] = {}  # request -> (order, key, prompt ids)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def submit(self, key: Hashable, prompt_ids: list[int], params: dict) -> None:
+        payload = {
+            "model": self.client.model,
+            "prompt": [list(prompt_ids)],
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            **params,
+        }
+        future = self.pool.submit(self.client._post, self.url, json=payload)
+        self.pending[future] = (next(self.order), key, list(prompt_ids))
+
+    def step(self) -> list[Finished]:
+        """The requests that finished since the last step (waiting up to `poll_seconds` for
+        one), in the order they were sent. A failed request raises its error here."""
+        from trl.generation.vllm_client import parse_logprobs
+
+        if not self.pending:
+            return []
+        done, _ = wait(self.pending, timeout=self.poll_seconds, return_when=FIRST_COMPLETED)
+        finished = []
+        for future in sorted(done, key=lambda f: self.pending[f][0]):
+            _, key, prompt_ids = self.pending.pop(future)
+            try:
+                response = future.result()
+            except Exception as error:  # TRL's `_post` raises a bare Exception with the server's answer
+                raise RuntimeError(f"the vLLM server at {self.url} failed the request of {key!r}: {error}") from error
+            choice = response["choices"][0]
+            logprobs, _ = parse_logprobs([choice.get("logprobs")])
+            details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+            finished.append(
+                Finished(
+                    key=key,
+                    prompt_token_ids=list(choice.get("prompt_token_ids") or prompt_ids),
+                    completion_ids=list(choice["token_ids"]),
+                    logprobs=[lp[0] for lp in logprobs[0]] if logprobs is not None else None,
+                    num_cached_tokens=None if cached is None else int(cached),
+                )
+            )
+        return finished
+
+    def abort(self) -> None:
+        """Drops every request: those not sent yet are cancelled; replies of those in flight are
+        discarded when they come (the server finishes them: HTTP gives no way to stop one)."""
+        for future in self.pending:
+            future.cancel()
+        self.pending.clear()
+        self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 class StreamTurns:
-    """The continuous rollout's `StreamingGenerator` over TRL's colocated engine (module doc).
+    """The continuous rollout's `StreamingGenerator` over TRL's vLLM generation (module doc):
+    colocate's engine (`EngineStream`) or the server (`ServerStream`).
 
     Args:
         trainer: the `GRPOTrainer` (its `vllm_generation`, `processing_class`, `state`, seed).
         tokenize: (messages, environments) → prompt ids, the collector's `_tokenize`.
-        prefix_cache: the collector's `PrefixCacheCounter` (or None), fed every finished request.
+        prefix_cache: a `PrefixCacheCounter` (or None), fed every finished request that says
+            how many of its prompt tokens came from the cache.
         name: the rollout's name ("train", "eval"), part of every request's seed.
         hidden: prompt ids → hidden states (the collector's `_forward_hidden`), or None.
+        max_in_flight: server mode's cap on requests in flight (its worker threads).
     """
 
-    def __init__(self, trainer, tokenize: Callable, prefix_cache=None, name: str = "", hidden: Callable | None = None):
+    def __init__(
+        self,
+        trainer,
+        tokenize: Callable,
+        prefix_cache=None,
+        name: str = "",
+        hidden: Callable | None = None,
+        max_in_flight: int = 256,
+    ):
         generation = trainer.vllm_generation
-        if generation.mode != "colocate" or getattr(generation, "tensor_parallel_size", 1) != 1:
-            raise ValueError("StreamTurns needs vLLM colocate with tensor_parallel_size=1 (one engine per rank).")
         self.trainer, self.generation = trainer, generation
         self.tokenize, self.prefix_cache, self.name, self.hidden = tokenize, prefix_cache, name, hidden
-        self.engine = EngineStream(generation.llm)
+        if generation.mode == "server":
+            self.engine = ServerStream(generation.vllm_client, max_in_flight=max_in_flight)
+            self.params = server_sampling_params
+            # Every rank builds its stream at the start of each rollout: the weights move now and
+            # every rank waits for them (module doc), rather than at some rank's first request.
+            self._weights_current(barrier=True)
+        elif getattr(generation, "tensor_parallel_size", 1) == 1:
+            self.engine = EngineStream(generation.llm)
+            self.params = colocate_sampling_params
+        else:
+            raise ValueError("StreamTurns needs vLLM server mode, or colocate with tensor_parallel_size=1.")
 
-    def _weights_current(self) -> None:
-        """TRL's `_generate_single_turn`: push the weights when the training step changed."""
+    def _weights_current(self, barrier: bool = False) -> None:
+        """TRL's `_generate_single_turn`: push the weights when the training step changed (with
+        `barrier`, every rank then waits until the push is done)."""
         trainer, generation = self.trainer, self.generation
-        if generation.enable_sleep_mode:
+        if generation.mode == "colocate" and generation.enable_sleep_mode:
             raise RuntimeError(
                 "The engine stream runs inside `WeightSyncs.awake()` (the collector's rollout scope) when "
                 "vllm_enable_sleep_mode is on: outside it the engine may be asleep."
@@ -183,6 +325,8 @@ class StreamTurns:
             with profiling_context(trainer, "sync_weights"):
                 generation.sync_weights()
             trainer._last_loaded_step = trainer.state.global_step
+            if barrier and trainer.accelerator.num_processes > 1:
+                trainer.accelerator.wait_for_everyone()
 
     def submit(self, keys, messages, environments=None) -> list[list[int]]:
         if not keys:
@@ -193,14 +337,14 @@ class StreamTurns:
         step = self.trainer.state.global_step
         for key, ids in zip(keys, prompt_ids):
             traj, turn = key
-            params = colocate_sampling_params(self.generation, request_seed(base, step, self.name, traj, turn))
+            params = self.params(self.generation, request_seed(base, step, self.name, traj, turn))
             self.engine.submit(key, ids, params)
         return prompt_ids
 
     def step(self) -> tuple[list, Generation]:
         finished = self.engine.step()
         if self.prefix_cache is not None:
-            self.prefix_cache.add(finished)
+            self.prefix_cache.add([f for f in finished if f.num_cached_tokens is not None])
         prompt_ids = [f.prompt_token_ids for f in finished]
         completion_ids = [f.completion_ids for f in finished]
         texts = self.trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True) if finished else []
@@ -214,3 +358,8 @@ class StreamTurns:
 
     def abort(self) -> None:
         self.engine.abort()
+
+    def close(self) -> None:
+        """The rollout ended: the server stream's worker threads go."""
+        if isinstance(self.engine, ServerStream):
+            self.engine.close()
