@@ -72,7 +72,7 @@ SUBPACKAGE_DOCS = {
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
-    vllm_stream     the continuous rollout through vLLM's own continuous batching (colocate)
+    vllm_stream     the continuous rollout through vLLM's own continuous batching (colocate, server)
     prefix_cache    HF generate that prefills only the prompt tokens whose KV is not known yet
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)), by hook or prefill
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
