@@ -1,4 +1,6 @@
-"""vLLM server mode on 2 processes, through TRL's own gather/broadcast/slice code.
+"""vLLM server mode on 2 processes, through TRL's own gather/broadcast/slice code, or with
+`--rollout_mode continuous` through the server stream (`vllm_stream.ServerStream`: each rank
+sends its own requests).
 
 Run by tests/vllm/test_vllm_backend.py under `accelerate launch` (2 CPU processes, gloo).
 The trainer's generation goes through TRL's real `VLLMGeneration.generate(mode="server")`
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -22,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-from bipace_trainer.rollout.vllm_backend import WeightSyncs  # noqa: E402
+from bipace_trainer.rollout.vllm_backend import PrefixCacheCounter, WeightSyncs  # noqa: E402
 from tests.trainer.dist_job import RankSkewEnv  # noqa: E402,F401  (the env, by dotted path below)
 from tests.trainer.tiny_setup import CapturingTrainer, make_model, make_tokenizer, tiny_args  # noqa: E402
 
@@ -30,12 +33,28 @@ SAMPLING_LOGPROB = -0.5
 
 
 class EchoServer:
-    """What `VLLMClient` returns, without a server: completion = the prompt's last 3 tokens + EOS."""
+    """What `VLLMClient` returns, without a server: completion = the prompt's last 3 tokens + EOS.
+    `generate` is TRL's call-by-call client; `_post` to /v1/completions what the continuous
+    rollout's `ServerStream` sends per request (one prompt), answered in vLLM's format."""
+
+    base_url, model = "http://echo", "echo"
 
     def __init__(self, eos: int):
         self.eos = eos
         self.weight_pushes = 0
         self.prompts_per_call: list[int] = []
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    def _post(self, url, json):
+        assert url == f"{self.base_url}/v1/completions" and len(json["prompt"]) == 1 and json["n"] == 1, json
+        with self.lock:
+            self.requests += 1
+        prompt = json["prompt"][0]
+        completion = list(prompt[-3:]) + [self.eos]
+        logprobs = {"tokens": [f"token_id:{t}" for t in completion], "token_logprobs": [SAMPLING_LOGPROB] * 4,
+                    "top_logprobs": [{f"token_id:{t}": SAMPLING_LOGPROB} for t in completion]}
+        return {"choices": [{"index": 0, "token_ids": completion, "prompt_token_ids": prompt, "logprobs": logprobs}]}
 
     def generate(self, prompts, n=1, **kwargs):
         self.prompts_per_call.append(len(prompts))
@@ -71,6 +90,7 @@ class ServerModeTrainer(CapturingTrainer):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--rollout_mode", default="lockstep")
     cli = parser.parse_args()
     tokenizer = make_tokenizer()
     args = tiny_args(
@@ -85,6 +105,8 @@ def main():
         eval_tasks=2,
         evaluate_before_training=False,
         shuffle_dataset=False,
+        rollout_mode=cli.rollout_mode,
+        vllm_mode="server",
     )
     trainer = ServerModeTrainer(make_model(tokenizer, seed=0), args=args, processing_class=tokenizer)
     trainer.captured, trainer.prompt_counts = [], []
@@ -95,10 +117,14 @@ def main():
             max_completion_length=args.max_completion_length, logprobs=0,
         )
     server = EchoServer(tokenizer.eos_token_id)
-    if trainer.accelerator.is_main_process:
+    continuous = cli.rollout_mode == "continuous"
+    if trainer.accelerator.is_main_process or continuous:  # streaming, every rank sends its own requests
         generation.vllm_client = server
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, generation, -1
     trainer.collector.weight_syncs = WeightSyncs(generation)
+    if continuous:  # what the collector sets up for vllm_mode="server" in continuous mode
+        trainer.collector.can_stream, trainer.collector.prefix_cache = True, PrefixCacheCounter()
+        assert trainer.collector.streams
     trainer.train()
     trainer.close_envs()
 
@@ -114,6 +140,8 @@ def main():
         "mismatches": mismatches,
         "prompt_counts": trainer.prompt_counts,
         "server_prompts_per_call": server.prompts_per_call,
+        "requests": server.requests,
+        "streamed": trainer.collector.streams,
         "weight_pushes": server.weight_pushes,
         "weight_syncs": trainer.collector.weight_syncs.count,
         "global_step": trainer.state.global_step,

@@ -173,15 +173,20 @@ def test_one_weight_push_per_rollout_in_colocate_mode(sleep_mode, monkeypatch):
         assert events.count("push") == 3
 
 
-@pytest.mark.slow
-def test_server_mode_on_two_processes_keeps_completions_with_their_prompts(tmp_path):
+def run_server_job(tmp_path, rollout_mode: str) -> list[dict]:
     config = cpu_config("ddp", tmp_path / "accelerate.yaml")
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
     job = ROOT / "tests" / "vllm" / "server_job.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(job), "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(job), "--out", str(tmp_path),
+           "--rollout_mode", rollout_mode]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_server_mode_on_two_processes_keeps_completions_with_their_prompts(tmp_path):
+    ranks = run_server_job(tmp_path, "lockstep")
     # the ranks asked for different numbers of completions in the same call ...
     assert any(a != b for a, b in zip(ranks[0]["prompt_counts"], ranks[1]["prompt_counts"]))
     # ... and every completion still came back to its own prompt, with its sampling logprobs
@@ -195,3 +200,22 @@ def test_server_mode_on_two_processes_keeps_completions_with_their_prompts(tmp_p
     # weights: once per step with generation (steps 0 and 1) and once for the final
     # evaluation at step 2, on both ranks; never once per turn (4 turns a rollout)
     assert ranks[0]["weight_pushes"] == 3 and ranks[1]["weight_syncs"] == ranks[0]["weight_syncs"] == 3
+
+
+@pytest.mark.slow
+def test_the_server_stream_on_two_processes_sends_each_ranks_own_requests(tmp_path):
+    """Continuous mode in server mode: no gather, no padding; each rank sends one request per
+    env step of its own episodes, and gets back the completions of its own prompts."""
+    ranks = run_server_job(tmp_path, "continuous")
+    for rank in ranks:
+        assert rank["streamed"] and rank["prompt_counts"] == []  # no call by call at all
+        assert rank["steps_checked"] > 0 and rank["mismatches"] == 0 and rank["global_step"] == 2
+        assert rank["server_prompts_per_call"] == []
+        # one request per step record (training) plus the final evaluation's: nothing padded
+        assert rank["requests"] >= rank["steps_checked"]
+    # rank 0's episodes end after one turn: it sent fewer requests than rank 1, on its own
+    assert ranks[0]["requests"] < ranks[1]["requests"]
+    # weights pushed by the main process, once per step with generation and once for the final
+    # evaluation (then every rank waited at the barrier); the other rank walked its parameters along
+    assert ranks[0]["weight_pushes"] == 3 and ranks[1]["weight_pushes"] == 0
+    assert ranks[0]["weight_syncs"] == ranks[1]["weight_syncs"] == 3
