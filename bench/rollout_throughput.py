@@ -9,6 +9,10 @@
     OMP_NUM_THREADS=1 python -m bench.rollout_throughput --vllm --model embedded --num-envs 8 32 --max-turns 2 \
         --max-completion-length 64
 
+    # the modes through a vLLM server started here (continuous: one request per episode turn)
+    OMP_NUM_THREADS=1 python -m bench.rollout_throughput --modes-only --vllm --vllm-server --vllm-dtypes float32 \
+        --vllm-max-num-seqs 16
+
     # lockstep against continuous only, on TextCraft and ALFWorld, 4 and 16 episodes (~4 minutes)
     OMP_NUM_THREADS=1 python -m bench.rollout_throughput --modes-only --mode-envs textcraft alfworld
     # the same scheduler on a simulated engine and envs (virtual clock), up to 512 episodes (~1 minute)
@@ -67,7 +71,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench import common
+from bench import common, vllm_server
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer
@@ -94,6 +98,9 @@ def parse_args(argv=None):
                         help="also time the lockstep rollout generating with vLLM (with --modes-only: compare the modes on vLLM)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=None,
                         help="engine dtypes to time with --vllm (default: float32 and bfloat16 on a CPU, auto on CUDA)")
+    parser.add_argument("--vllm-server", action="store_true",
+                        help="with --modes-only --vllm: generate through a vLLM server started here (bench.vllm_server)"
+                             " rather than colocate")
     parser.add_argument("--vllm-max-num-seqs", type=int, default=2,
                         help="with --modes-only --vllm: sequences the engine decodes at once (TRL: per_device_train_batch_size"
                              " x steps_per_generation; the bench's trainer has 2); an even number")
@@ -110,10 +117,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="JSON path (default docs/results/rollout_throughput[_modes|_sim].json)")
     args = parser.parse_args(argv)
     if args.out is None:
-        suffix = "_sim" if args.simulate else ("_modes_vllm" if args.vllm else "_modes") if args.modes_only else ""
+        vllm = "_modes_vllm_server" if args.vllm_server else "_modes_vllm"
+        suffix = "_sim" if args.simulate else (vllm if args.vllm else "_modes") if args.modes_only else ""
         args.out = str(common.ROOT / "docs" / "results" / f"rollout_throughput{suffix}.json")
     if args.vllm_dtypes is None:
         args.vllm_dtypes = ["float32", "bfloat16"] if args.device == "cpu" else ["auto"]
+    if args.vllm_server and not (args.vllm and args.modes_only):
+        parser.error("--vllm-server goes with --modes-only --vllm")
     if args.quick:
         args.env, args.num_envs, args.max_turns, args.sequential_episodes, args.repeats = "tiny", [1, 2, 4, 8], 2, 2, 1
         args.max_completion_length = 16
@@ -347,10 +357,10 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int, reuse=None) 
         envs.close()
         if reuse is not None:
             reuse.clear()
-    if prefix_cache is not None:  # as the collector adds them to a training rollout's counts
-        rollout.prompt_counts.update(prefix_cache.take())
-    elif not trainer.use_vllm:  # HF generate: what PrefixReuse saved, or every prompt token encoded
-        rollout.prompt_counts.update(trainer.collector._prefix_reuse(rollout))
+    # as the collector adds them to a training rollout's counts: vLLM's prefix cache (colocate; a
+    # server's streamed replies), what PrefixReuse saved, or every prompt token encoded
+    rollout.prompt_counts.update(trainer.collector._prefix_reuse(rollout))
+    if not trainer.use_vllm:
         trainer.collector.hf_prefix = None
     metrics = rollout.metrics()
     return {
@@ -635,15 +645,23 @@ def main(argv=None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.manual_seed(0)
     model, tokenizer = load_policy(args)
-    with tempfile.TemporaryDirectory() as output_dir:
-        if args.modes_only and args.vllm:  # the modes compared with generation through vLLM (colocate)
+    with tempfile.TemporaryDirectory() as output_dir, contextlib.ExitStack() as server:
+        if args.modes_only and args.vllm:  # the modes compared with generation through vLLM
             model.save_pretrained(Path(output_dir) / "policy")  # the engine loads the weights from a path
             tokenizer.save_pretrained(Path(output_dir) / "policy")
             model = AutoModelForCausalLM.from_pretrained(Path(output_dir) / "policy")
-            with engine_dtype(args.vllm_dtypes[0]):
+            if args.vllm_server:  # the same weights in a server; nothing trains, so none are pushed
+                url = server.enter_context(vllm_server.serve(
+                    Path(output_dir) / "policy", Path(output_dir) / "server.log", max_num_seqs=args.vllm_max_num_seqs,
+                    dtype=args.vllm_dtypes[0], max_model_len=4096))
+                server.enter_context(vllm_server.without_weight_transfer())
                 trainer = make_trainer(model, tokenizer, args, output_dir, batch_size=args.vllm_max_num_seqs,
-                                       use_vllm=True, vllm_mode="colocate",
-                                       vllm_max_model_length=4096)
+                                       use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
+            else:
+                with engine_dtype(args.vllm_dtypes[0]):
+                    trainer = make_trainer(model, tokenizer, args, output_dir, batch_size=args.vllm_max_num_seqs,
+                                           use_vllm=True, vllm_mode="colocate",
+                                           vllm_max_model_length=4096)
         else:
             trainer = make_trainer(model, tokenizer, args, output_dir)
         modes = compare_modes(trainer, args)
@@ -651,7 +669,8 @@ def main(argv=None):
         if args.modes_only:
             trainer.close_envs()
             result = {"modes": modes, "env": args.env, "model": args.model or "tiny random Qwen2 (64 x 2)",
-                      "engine": f"vllm colocate {args.vllm_dtypes[0]}" if args.vllm else "hf generate",
+                      "engine": (f"vllm {'server' if args.vllm_server else 'colocate'} {args.vllm_dtypes[0]}"
+                                 if args.vllm else "hf generate"),
                       **({"vllm_max_num_seqs": args.vllm_max_num_seqs} if args.vllm else {}),
                       "prefix_reuse": "variants *_reuse: hf_prefix_cache (rollout.prefix_cache)" if args.prefix_reuse else "",
                       "max_turns": args.max_turns, "max_completion_length": args.max_completion_length,

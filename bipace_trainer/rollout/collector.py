@@ -265,7 +265,7 @@ class RolloutCollector:
             install_cpu_weight_loading(trainer.vllm_generation)
             self.weight_syncs = WeightSyncs(trainer.vllm_generation)
             self.prefix_cache = PrefixCacheCounter.for_generation(trainer.vllm_generation)
-            if self.prefix_cache is None and self.streams:  # the server stream's replies may say
+            if self.prefix_cache is None and self.can_stream:  # a server: its streamed replies may say
                 self.prefix_cache = PrefixCacheCounter()
         self.hf_prefix = self._hf_prefix_reuse()
         self.envs: dict[str, VectorEnv] = {}

