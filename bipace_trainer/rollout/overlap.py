@@ -28,8 +28,10 @@ multiplies the advantages by it, `batching.training_batch` computes it). What ma
   (`batching.padded_tensors`), so with unchanged weights ρ is exactly 1.
 - Rows known in advance: `Lookahead` wraps the Trainer's epoch iterator, so the rows of the
   generation `generate_every` micro-steps ahead can be read before the training loop asks for
-  them. At an epoch's end nothing is ahead: the next epoch's first generation plays in the
-  foreground, with the current weights (staleness 0).
+  them (or after: with several generations per optimizer step, the next one's rows were handed
+  out with the current one's, and it plays beside the current micro-step at staleness 0). At
+  an epoch's end nothing is ahead: the next epoch's first generation plays in the foreground,
+  with the current weights (staleness 0).
 - No collectives off the main thread: the background rollout runs with `LocalSync`, HF
   `generate` on this rank's snapshot; the "every episode failed" guard, metrics and records
   run on the main thread when the rollout is taken. The trainer refuses vLLM, ZeRO-3/FSDP and
@@ -275,10 +277,15 @@ class Lookahead:
         return None
 
     def peek(self, position: int):
-        """The item at `position` (not yet yielded), or None past the epoch's end."""
+        """The item at `position`, or None past the epoch's end (or yielded too long ago to be remembered).
+
+        An item already yielded counts: the Trainer takes an optimizer step's `gradient_accumulation_steps`
+        items at once (`get_batch_samples`), so when a generation spans fewer micro-steps (several
+        generations per optimizer step, as when the same batch settings run on more processes) the
+        next generation's rows were yielded before its turn comes."""
         index = position - self.yielded
         if index < 0:
-            return None
+            return next((item for seen_at, item in self.recent if seen_at == position), None)
         while len(self.ahead) <= index:
             if self.exhausted:
                 return None
