@@ -34,8 +34,10 @@ multiplies the advantages by it, `batching.training_batch` computes it). What ma
   with the current weights (staleness 0).
 - No collectives off the main thread: the background rollout runs with `LocalSync`, HF
   `generate` on this rank's snapshot; the "every episode failed" guard, metrics and records
-  run on the main thread when the rollout is taken. The trainer refuses vLLM, ZeRO-3/FSDP and
-  TRL's tool envs with it.
+  run on the main thread when the rollout is taken, and the ranks take prefetched rollouts all
+  together or not at all (`take`). So DDP and ZeRO-2, whose collectives all run in the update
+  on the main thread, work on any number of processes; the trainer refuses vLLM, ZeRO-3/FSDP
+  (a forward there gathers parameters from every rank) and TRL's tool envs with it.
 - Errors: an env failure is an episode failure, as in the foreground; any other exception in
   the thread is raised on the main thread, with its traceback, when the rollout is joined.
   Evaluation and checkpoint saves join the thread first (`join`); a checkpoint stores the
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import threading
 import types
 from collections import deque
@@ -64,6 +67,8 @@ if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 __all__ = ["RolloutOverlap", "SnapshotPolicy", "PrivateSampler", "Lookahead", "Prefetched", "sampling_warpers"]
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- sampling from a private generator
@@ -379,7 +384,22 @@ class RolloutOverlap:
 
     def take(self, rows: list[dict[str, Any]]) -> Prefetched | None:
         """The prefetched rollout of `rows` (the generation's dataset rows), joined; None if it
-        was not prefetched (the first generation, an epoch's first one, a resampled batch)."""
+        was not prefetched (the first generation, an epoch's first one, a resampled batch).
+
+        All ranks or none: a prefetched batch runs the importance-ratio pass and its gathers, a
+        fresh one does not, so ranks that disagreed would wait on each other's collectives. Where
+        one rank has nothing (a resume that found no `overlap_rollout_rank{r}.pt` of its own, a
+        different process count), every rank plays the generation now, with the current weights."""
+        prefetched = self._take(rows)
+        if self.trainer.collector.sync.any(prefetched is None) and prefetched is not None:
+            logger.warning(
+                f"Rank {self.trainer.accelerator.process_index}: another rank has no prefetched rollout for this "
+                "generation; every rank plays it now instead (staleness 0)."
+            )
+            return None
+        return prefetched
+
+    def _take(self, rows: list[dict[str, Any]]) -> Prefetched | None:
         self.join()
         for attr in ("ready", "resumed"):
             prefetched = getattr(self, attr)
