@@ -28,12 +28,16 @@ multiplies the advantages by it, `batching.training_batch` computes it). What ma
   (`batching.padded_tensors`), so with unchanged weights ρ is exactly 1.
 - Rows known in advance: `Lookahead` wraps the Trainer's epoch iterator, so the rows of the
   generation `generate_every` micro-steps ahead can be read before the training loop asks for
-  them. At an epoch's end nothing is ahead: the next epoch's first generation plays in the
-  foreground, with the current weights (staleness 0).
+  them (or after: with several generations per optimizer step, the next one's rows were handed
+  out with the current one's, and it plays beside the current micro-step at staleness 0). At
+  an epoch's end nothing is ahead: the next epoch's first generation plays in the foreground,
+  with the current weights (staleness 0).
 - No collectives off the main thread: the background rollout runs with `LocalSync`, HF
   `generate` on this rank's snapshot; the "every episode failed" guard, metrics and records
-  run on the main thread when the rollout is taken. The trainer refuses vLLM, ZeRO-3/FSDP and
-  TRL's tool envs with it.
+  run on the main thread when the rollout is taken, and the ranks take prefetched rollouts all
+  together or not at all (`take`). So DDP and ZeRO-2, whose collectives all run in the update
+  on the main thread, work on any number of processes; the trainer refuses vLLM, ZeRO-3/FSDP
+  (a forward there gathers parameters from every rank) and TRL's tool envs with it.
 - Errors: an env failure is an episode failure, as in the foreground; any other exception in
   the thread is raised on the main thread, with its traceback, when the rollout is joined.
   Evaluation and checkpoint saves join the thread first (`join`); a checkpoint stores the
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import threading
 import types
 from collections import deque
@@ -62,6 +67,8 @@ if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 __all__ = ["RolloutOverlap", "SnapshotPolicy", "PrivateSampler", "Lookahead", "Prefetched", "sampling_warpers"]
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- sampling from a private generator
@@ -275,10 +282,15 @@ class Lookahead:
         return None
 
     def peek(self, position: int):
-        """The item at `position` (not yet yielded), or None past the epoch's end."""
+        """The item at `position`, or None past the epoch's end (or yielded too long ago to be remembered).
+
+        An item already yielded counts: the Trainer takes an optimizer step's `gradient_accumulation_steps`
+        items at once (`get_batch_samples`), so when a generation spans fewer micro-steps (several
+        generations per optimizer step, as when the same batch settings run on more processes) the
+        next generation's rows were yielded before its turn comes."""
         index = position - self.yielded
         if index < 0:
-            return None
+            return next((item for seen_at, item in self.recent if seen_at == position), None)
         while len(self.ahead) <= index:
             if self.exhausted:
                 return None
@@ -372,7 +384,22 @@ class RolloutOverlap:
 
     def take(self, rows: list[dict[str, Any]]) -> Prefetched | None:
         """The prefetched rollout of `rows` (the generation's dataset rows), joined; None if it
-        was not prefetched (the first generation, an epoch's first one, a resampled batch)."""
+        was not prefetched (the first generation, an epoch's first one, a resampled batch).
+
+        All ranks or none: a prefetched batch runs the importance-ratio pass and its gathers, a
+        fresh one does not, so ranks that disagreed would wait on each other's collectives. Where
+        one rank has nothing (a resume that found no `overlap_rollout_rank{r}.pt` of its own, a
+        different process count), every rank plays the generation now, with the current weights."""
+        prefetched = self._take(rows)
+        if self.trainer.collector.sync.any(prefetched is None) and prefetched is not None:
+            logger.warning(
+                f"Rank {self.trainer.accelerator.process_index}: another rank has no prefetched rollout for this "
+                "generation; every rank plays it now instead (staleness 0)."
+            )
+            return None
+        return prefetched
+
+    def _take(self, rows: list[dict[str, Any]]) -> Prefetched | None:
         self.join()
         for attr in ("ready", "resumed"):
             prefetched = getattr(self, attr)

@@ -191,7 +191,7 @@ def load_run_state(trainer: CheckpointedTrainer, checkpoint: str | None) -> None
         trainer.collector.resumed_env_counters = json.loads(counters_path.read_text())
     buffer_path = checkpoint / BUFFER_FILE.format(rank=rank)
     if buffer_path.exists():  # saved mid-generation
-        buffer = torch.load(buffer_path, map_location=trainer.accelerator.device, weights_only=False)
+        buffer = _load_tensors(buffer_path, trainer.accelerator.device)
         trainer._step, trainer._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
         # older checkpoints carried the flag inside each micro-batch
         carried = [bool(chunk.pop("skip_update", False)) for chunk in trainer._buffered_inputs]
@@ -199,7 +199,14 @@ def load_run_state(trainer: CheckpointedTrainer, checkpoint: str | None) -> None
     overlap_path = checkpoint / OVERLAP_FILE.format(rank=rank)
     overlap = getattr(trainer, "_overlap", None)
     if overlap_path.exists() and overlap is not None:  # without max_staleness the generation plays again, now
-        overlap.load_state_dict(torch.load(overlap_path, map_location=trainer.accelerator.device, weights_only=False))
+        overlap.load_state_dict(_load_tensors(overlap_path, trainer.accelerator.device))
+
+
+def _load_tensors(path: Path, device: torch.device) -> Any:
+    """A per-rank file of `_write_run_state`, its tensors on `device`. A multi-process CPU run's
+    device is `cpu:0` (accelerate indexes every device it sets), a location `torch.load` refuses
+    ("don't know how to restore data location ... cpu:0"): CPU files load to plain "cpu"."""
+    return torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
 
 
 class EpochSeededRepeatSampler(RepeatSampler):

@@ -101,3 +101,23 @@ def test_resume_continues_the_run_as_if_uninterrupted(warm_policy_dir, tmp_path)
     final_straight, final_resumed = lora_state(straight.model), lora_state(resumed.model)
     for name in final_straight:
         torch.testing.assert_close(final_resumed[name], final_straight[name])
+
+
+def test_per_rank_files_load_on_a_multi_process_cpu_device(tmp_path):
+    """accelerate's device on a multi-process CPU run is `cpu:0`, a location `torch.load` refuses
+    ("don't know how to restore data location"): the resume of a two-process CPU run with a
+    buffered generation or a prefetched rollout failed on it (`test_distributed_overlap`)."""
+    from bipace_trainer.rollout.overlap import RolloutOverlap
+    from bipace_trainer.run.checkpointing import BUFFER_FILE, OVERLAP_FILE, load_run_state
+
+    rank = 1
+    torch.save({"step": 1, "buffered_inputs": [{"advantages": torch.ones(2)}], "skip_update": False},
+               tmp_path / BUFFER_FILE.format(rank=rank))
+    torch.save({"rows": [{"task_id": 3}], "rollout": {"logps": torch.zeros(2)}, "snapshot_step": 4},
+               tmp_path / OVERLAP_FILE.format(rank=rank))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(process_index=rank, device=torch.device("cpu", 0)))
+    trainer._overlap = RolloutOverlap(trainer)
+    load_run_state(trainer, str(tmp_path))
+    assert trainer._step == 1 and torch.equal(trainer._buffered_inputs[0]["advantages"], torch.ones(2))
+    resumed = trainer._overlap.resumed
+    assert resumed.rows == [{"task_id": 3}] and resumed.snapshot_step == 4 and resumed.rollout["logps"].device.type == "cpu"

@@ -82,12 +82,15 @@ def test_lookahead_reads_ahead_and_knows_positions():
     ahead = Lookahead(iter(items))
     first = next(ahead)
     assert ahead.position(first) == 0 and ahead.position([0]) is None  # by identity
-    assert ahead.peek(3) is items[3] and ahead.peek(0) is None  # already yielded
+    assert ahead.peek(3) is items[3] and ahead.peek(0) is first  # yielded, still remembered
     assert [next(ahead) for _ in range(4)] == items[1:]  # the peeked items still come, in order
     assert ahead.position(items[3]) == 3
     assert ahead.peek(5) is None  # past the epoch's end
     with pytest.raises(StopIteration):
         next(ahead)
+    short = Lookahead(iter(items), remember=2)
+    assert [next(short) for _ in range(3)] == items[:3]
+    assert short.peek(1) is items[1] and short.peek(0) is None  # forgotten
 
 
 def test_an_error_in_the_background_surfaces_with_its_traceback():
@@ -246,6 +249,42 @@ def test_overlap_trains_on_the_previous_weights_rollouts_repeatably(warm_policy_
     final_other = lora_state(other.model)
     for n in final:
         assert torch.equal(final[n], final_other[n])
+
+
+class BehaviourSteps(CapturingTrainer):
+    """Also keeps, per training generation, the optimizer step at which it was trained and the one
+    whose weights played it (None: played now)."""
+
+    def _scored_rollout(self, tasks, prefetched=None):
+        scored = super()._scored_rollout(tasks, prefetched)
+        self.behaviour = getattr(self, "behaviour", [])
+        self.behaviour.append((self.state.global_step, scored.behaviour_step))
+        return scored
+
+
+@pytest.mark.slow
+def test_several_generations_per_optimizer_step_are_all_prefetched(warm_policy_dir, tmp_path):
+    # 1 task × 4 episodes = one micro-batch of 4 rows: a generation per micro-step, two per optimizer step
+    # (as the default settings give on two processes). The Trainer hands out both micro-steps' rows at
+    # once, so the second generation's rows are known, already yielded, when the first one is built.
+    trainer = make_trainer(warm_policy_dir, tmp_path, BehaviourSteps, max_staleness=1, max_steps=2,
+                           tasks_per_iteration=1, num_generations=4, per_device_train_batch_size=4,
+                           gradient_accumulation_steps=2)
+    assert trainer.args.steps_per_generation == 1
+    trainer.train()
+    trainer.close_envs()
+    # the second generation of a step plays beside the first's micro-step with the same weights (staleness 0),
+    # the first of the next step beside the optimizer step (staleness 1)
+    assert trainer.behaviour == [(0, None), (0, 0), (1, 0), (1, 1)]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [e["rollout/prefetched"] for e in logs] == [0.5, 1.0]
+    assert [e["rollout/staleness"] for e in logs] == [0.0, 0.5]
+    for index in (1, 3):  # played with the weights it trains with: the ratio is exactly 1
+        ratio = trainer.captured[index][2]["importance_sampling_ratio"]
+        assert torch.equal(ratio, torch.ones_like(ratio))
+    ratio = trainer.captured[2][2]["importance_sampling_ratio"]
+    rows = len(trainer.captured[2][0].steps)
+    assert not torch.equal(ratio[:rows], torch.ones_like(ratio[:rows]))  # one update old: corrected
 
 
 @pytest.mark.slow
