@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             num_envs = args.num_envs if not slow_engine else min(args.num_envs, 32)
         if name == "alfworld":  # Part 4, whose "after" run is ALFWorld's Part 2 row
             part4 = bench_alfworld_workers(
-                8 if args.quick else num_envs,
+                # CI size: 2 games still put more than one env in a worker and on each backend; every
+                # ALFWorld game costs seconds of TextWorld resets and steps per measurement
+                2 if args.quick else num_envs,
                 {False: 2, True: 10} if args.quick else {False: 3, True: 20},
                 1.0 if args.quick else 5.0,
                 args.alfworld_workers or sorted({1, 2, os.cpu_count() or 1}),
