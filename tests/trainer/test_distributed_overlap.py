@@ -1,5 +1,5 @@
 """`max_staleness=1` on two CPU processes under `accelerate launch` (`dist_overlap_job.py`): DDP (gloo)
-and DeepSpeed ZeRO-2 run it, ZeRO-3 refuses it.
+and DeepSpeed ZeRO-2 run it; ZeRO-3 and FSDP refuse it (the check, in-process).
 
 Under DDP one launch trains a plain step, a four-step overlap run, the same run stopped at its
 step-2 checkpoint and that run resumed, and must show: no collective issued from the background
@@ -115,9 +115,24 @@ def test_overlap_under_zero2(warm_policy_dir, tmp_path):
     check_overlap_run(ranks_of(tmp_path, "straight"), "DEEPSPEED")
 
 
-@pytest.mark.slow
-def test_overlap_is_refused_under_zero3(raw_tiny_dir, tmp_path):
-    proc = launch("zero3", tmp_path, raw_tiny_dir, "--runs", "straight")
-    assert proc.returncode != 0
-    assert "max_staleness=1 cannot run under ZeRO-3 or FSDP" in proc.stdout + proc.stderr
-    assert "Set max_staleness=0." in proc.stdout + proc.stderr
+def test_overlap_is_refused_under_zero3_and_fsdp_and_with_trls_tool_envs(monkeypatch):
+    """The check `BiPACETrainer.__init__` makes when max_staleness=1 (a 2-process ZeRO-3 launch
+    reached it in 49 s; what it reads is the accelerator's DeepSpeed plugin and FSDP flag)."""
+    from types import SimpleNamespace
+
+    from bipace_trainer import BiPACETrainer
+    from bipace_trainer.rollout.overlap import RolloutOverlap
+
+    def trainer(zero_stage=None, fsdp=False):
+        plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
+        return SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+                               is_fsdp_enabled=fsdp)
+
+    for sharded in (trainer(3), trainer(fsdp=True)):
+        with pytest.raises(ValueError, match=r"max_staleness=1 cannot run under ZeRO-3 or FSDP.*Set max_staleness=0\."):
+            BiPACETrainer._rollout_overlap(sharded, trl_envs=False)
+    with pytest.raises(ValueError, match=r"max_staleness=1 plays the project's TextEnvs.*Set max_staleness=0\."):
+        BiPACETrainer._rollout_overlap(trainer(2), trl_envs=True)
+    # ZeRO-2 passes the check (its 2-process run is above)
+    monkeypatch.setattr(RolloutOverlap, "__init__", lambda self, owner: setattr(self, "owner", owner))
+    assert isinstance(BiPACETrainer._rollout_overlap(trainer(2), trl_envs=False), RolloutOverlap)
