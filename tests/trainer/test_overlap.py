@@ -149,6 +149,7 @@ def _steps(prompts, completions):
 # ---------------------------------------------------------------------- staleness 0: exactly the plain path
 
 
+@pytest.mark.slow  # the warm policy's SFT (~50-90 s) would otherwise run in the fast subset for this test alone
 def test_unchanged_weights_give_ratio_one_and_the_plain_loss_and_gradient(warm_policy_dir, tmp_path):
     trainer = make_trainer(warm_policy_dir, tmp_path, max_staleness=1)
     trainer.model.train()

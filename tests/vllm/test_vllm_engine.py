@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -241,8 +242,11 @@ def run_stream_job(python, work: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_continuous_rollouts_stream_through_the_engine_and_repeat_under_a_seed(venv_python, tmp_path):
-    first = run_stream_job(venv_python, tmp_path)  # warm-starts the model; the second run reuses it
+def test_continuous_rollouts_stream_through_the_engine_and_repeat_under_a_seed(engine_job, tmp_path):
+    _, work, venv_python = engine_job
+    # vllm_job.py saved the model stream_job.py would warm-start (the same make_model and warm_start)
+    shutil.copytree(work / "model", tmp_path / "model")
+    first = run_stream_job(venv_python, tmp_path)
     # the stream played every rollout, training and evaluation: no call-by-call generation at all
     assert first["streams_used"] and first["generate_turn_calls"] == 0
     assert len(first["rollouts"]) == 2 and len(first["losses"]) == 2 and all(loss != 0 for loss in first["losses"])
