@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from tests.vllm.job import job_arguments, write_result
 
 
 def main() -> None:
@@ -38,11 +34,8 @@ def main() -> None:
     from tests.trainer.tiny_setup import LORA, CapturingTrainer, make_model, make_tokenizer, tiny_args
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--workdir", required=True)
     parser.add_argument("--server_url", help="an already running server on the job's model (development)")
-    args = parser.parse_args()
-    work = Path(args.workdir)
+    args, work = job_arguments(parser)
     work.mkdir(parents=True, exist_ok=True)
 
     tokenizer = make_tokenizer()
@@ -135,7 +128,7 @@ def main() -> None:
           else serve(work / "model", work / "server.log")) as url, without_weight_transfer() as pushes:
         runs = [train(url, 0), train(url, 1)]
     result = {"runs": runs, "sent": sent, "collected": collected, "pushes": pushes}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args, result)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,9 @@ checks is written to the JSON.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
-from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from tests.vllm.job import job_arguments, write_result
 
 
 def main() -> None:
@@ -31,11 +26,7 @@ def main() -> None:
     from bipace_trainer.rollout import vllm_stream
     from tests.trainer.tiny_setup import LORA, CapturingTrainer, make_model, make_tokenizer, tiny_args, warm_start
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
-    work = Path(args.workdir)
+    args, work = job_arguments()
 
     tokenizer = make_tokenizer()
     if not (work / "model" / "config.json").exists():
@@ -133,7 +124,7 @@ def main() -> None:
         "max_turns": config.max_turns,
         "max_completion_length": config.max_completion_length,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args, result)
 
 
 if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from re-running the job

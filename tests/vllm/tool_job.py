@@ -14,14 +14,10 @@ the test asserts on to the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import time
-from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from tests.vllm.job import job_arguments, write_result
 
 
 def main() -> None:
@@ -33,11 +29,7 @@ def main() -> None:
     from envs import as_trl_environment, trl_task_dataset
     from tests.trl.tool_model import TINY_KWARGS, make_tool_tokenizer, warm_start
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
-    work = Path(args.workdir)
+    args, work = job_arguments()
 
     counts = {"engine_calls": 0, "hf_generate_calls": 0}
 
@@ -114,7 +106,7 @@ def main() -> None:
         "warm_seconds": warm_seconds,
         "train_seconds": train_seconds,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args, result)
 
 
 if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from re-running the job

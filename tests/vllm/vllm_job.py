@@ -13,13 +13,7 @@ checks is written to the JSON for the test to assert on.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from pathlib import Path
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from tests.vllm.job import job_arguments, write_result
 
 
 def main() -> None:
@@ -32,11 +26,7 @@ def main() -> None:
     from bipace_trainer.rollout.vllm_backend import engine_logprobs
     from tests.trainer.tiny_setup import LORA, CapturingTrainer, lora_state, make_model, make_tokenizer, tiny_args, warm_start
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
-    work = Path(args.workdir)
+    args, work = job_arguments()
 
     class EngineJobTrainer(CapturingTrainer):
         """Also records the sampling temperature of every generate call and, for every
@@ -165,7 +155,7 @@ def main() -> None:
         "uncorrected_keys": sorted(k for k in uncorrected if isinstance(k, str)),
         "max_turns": config.max_turns,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args, result)
 
 
 if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from re-running the job
