@@ -1,8 +1,12 @@
 """One update piece of the main job in isolation: the peak RSS of a forward and backward of 4 rows
 × 460 tokens through the embedded SmolLM2-135M with LoRA and TRL's fused LM head, per setting.
 
-    python -m bench.memory_piece tiles=trl checkpointing=off      # the main job's piece before the fix
+    python -m bench.memory_piece tiles=trl checkpointing=off positions=all   # the main job's piece before the fix
     python -m bench.memory_piece tiles=small checkpointing=on     # after (the mmap threshold: MALLOC_MMAP_THRESHOLD_=131072)
+
+`positions=all` is TRL's CPU path (every position through the LM head), `positions=labelled` (the
+default) the trainer's: only the 40 completion positions of each row
+(`bipace_trainer.memory.score_labelled_positions_only`).
 
 Prints one line: the RSS of the loaded model and the piece's peak above it (forward, forward and
 backward; sampled every 10 ms in a thread), the seconds, and the log-probs' sum (the same for
@@ -34,6 +38,8 @@ def main(argv: list[str]) -> str:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     if settings.get("tiles", "small") == "small":
         memory.bound_logprob_tiles("cpu")
+    if settings.get("positions", "labelled") == "labelled":
+        memory.score_labelled_positions_only("cpu")
     if settings.get("checkpointing", "on") == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

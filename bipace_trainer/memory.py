@@ -1,4 +1,5 @@
-"""Bounds on a CPU training process's resident memory (measured in `bench/memory.py`, see docs/memory.md).
+"""Bounds on a CPU training process's resident memory and LM-head work (measured in `bench/memory.py`
+and `bench/memory_piece.py`, see docs/memory.md).
 
     bound_cpu_memory(device)    # BiPACETrainer.__init__ calls it; does nothing off a CPU
 
@@ -19,6 +20,13 @@ them live tensors of the model's own size:
   the update's freed activations stayed resident (4.5 GiB through the final evaluation). A fixed
   threshold (`return_freed_memory`) maps every block over 128 KiB on its own, and unmaps it on
   free, so the resident size follows the live tensors.
+
+And one thing made the LM head's work ten times what it needs: on a CPU TRL scores every
+position of a piece, the prompt's too, and drops all but the completion's afterwards
+(`add_fused_lm_head` keeps only the labelled positions where `_use_triton` says a Triton device
+runs, to spare other compilers a new tile shape per batch; an eager CPU has no such cost).
+`score_labelled_positions_only` lets the CPU take TRL's compact path too: the same per-position
+arithmetic on the ~40 completion positions of a ~460-token row instead of all of them.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import ctypes.util
 import os
 
 __all__ = ["LOGPROB_TOKEN_TILE", "LOGPROB_VOCAB_TILE", "MMAP_THRESHOLD", "bound_cpu_memory",
-           "bound_logprob_tiles", "return_freed_memory"]
+           "bound_logprob_tiles", "return_freed_memory", "score_labelled_positions_only"]
 
 # 512 tokens × 8192 vocabulary entries × 4 bytes = 16 MB per tile and per temporary.
 LOGPROB_TOKEN_TILE = 512
@@ -53,6 +61,34 @@ def bound_logprob_tiles(device) -> bool:
     return True
 
 
+def score_labelled_positions_only(device) -> bool:
+    """On a CPU, let TRL's fused LM head project and score only the positions with a label.
+
+    TRL's `add_fused_lm_head` asks `trl.trainer.utils._use_triton(device)` (looked up at each
+    call) whether to gather the labelled positions before its tiles; this makes the answer yes for
+    a CPU as well. The tiles themselves still fold in torch: the kernel's module has its own
+    `_use_triton`, left as it is. Log-probs, entropies and gradients equal the all-positions
+    path's to float rounding (`tests/test_memory.py`). Returns False, changing nothing, off a
+    CPU or on a TRL without that seam."""
+    if getattr(device, "type", device) != "cpu":
+        return False
+    import trl.trainer.utils as trl_utils
+
+    decide = getattr(trl_utils, "_use_triton", None)
+    if decide is None:
+        return False
+    if getattr(decide, "labelled_positions_on_cpu", False):
+        return True
+
+    def compact_on_cpu_too(device) -> bool:
+        return device.type == "cpu" or decide(device)
+
+    compact_on_cpu_too.labelled_positions_on_cpu = True
+    compact_on_cpu_too.__wrapped__ = decide
+    trl_utils._use_triton = compact_on_cpu_too
+    return True
+
+
 def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold at `MMAP_THRESHOLD`, so freed tensors leave the resident set.
 
@@ -73,8 +109,9 @@ def return_freed_memory() -> bool:
 
 
 def bound_cpu_memory(device) -> bool:
-    """Both bounds, on a CPU only (a GPU run's host memory and TRL's Triton path are left as they are)."""
+    """All three, on a CPU only (a GPU run's host memory and TRL's Triton path are left as they are)."""
     if not bound_logprob_tiles(device):
         return False
+    score_labelled_positions_only(device)
     return_freed_memory()
     return True

@@ -1,9 +1,11 @@
 """The CPU memory bounds (`bipace_trainer.memory`): TRL's log-prob tiles shrink on a CPU only, give
-the same log-probs and gradients in small tiles, and every CPU trainer applies them. The memory
-they save is measured by `bench/memory.py`, not here."""
+the same log-probs and gradients in small tiles; only the labelled positions are scored on a CPU,
+with the same log-probs and gradients; every CPU trainer applies them. The memory and time they
+save are measured by `bench/memory.py` and `bench/memory_piece.py`, not here."""
 
 from __future__ import annotations
 
+import inspect
 import platform
 
 import pytest
@@ -24,6 +26,12 @@ def trl_tiles(monkeypatch):
     """TRL's default tiles for the test (restored after it: the bound is process-wide)."""
     monkeypatch.setattr(kernel, "TOKEN_CHUNK_SIZE", TRL_TOKEN_TILE)
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_VOCAB_TILE)
+
+
+@pytest.fixture
+def trl_positions(monkeypatch):
+    """TRL's own choice of positions for the test (every one on a CPU), restored after it."""
+    monkeypatch.setattr(trl_utils, "_use_triton", inspect.unwrap(trl_utils._use_triton))
 
 
 def _tiles() -> tuple[int, int]:
@@ -78,12 +86,82 @@ def test_small_tiles_give_the_log_probs_entropies_and_gradients_of_one_tile(trl_
         torch.testing.assert_close(small_tiles[2][name], one_tile[2][name], rtol=1e-4, atol=1e-6)
 
 
-def test_a_cpu_trainer_bounds_the_tiles(trl_tiles, tmp_path):
+def _tiny_fused_model():
+    tokenizer = bpe_chat_tokenizer(["craft 4 oak planks from 1 oak logs", "get 2 jungle logs"] * 20, vocab_size=300)
+    model = tiny_qwen2(tokenizer, hidden_size=32, layers=1)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    return model, len(tokenizer)
+
+
+class _RowsSeen:
+    """TRL's tile function, recording how many positions each call projects."""
+
+    def __init__(self, function):
+        self.function, self.rows = function, []
+
+    def apply(self, hidden, *args):
+        self.rows.append(hidden.shape[0])
+        return self.function.apply(hidden, *args)
+
+
+def test_only_the_labelled_positions_are_scored_on_a_cpu(trl_positions, monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert trl_utils._use_triton(cpu) is False  # TRL's own answer: every position on a CPU
+    assert memory.score_labelled_positions_only(cuda) is False
+    assert trl_utils._use_triton(cpu) is False
+    assert memory.score_labelled_positions_only(cpu) is True
+    assert trl_utils._use_triton(cpu) is True
+    assert trl_utils._use_triton(cuda) == inspect.unwrap(trl_utils._use_triton)(cuda)  # a GPU keeps TRL's answer
+    wrapped = trl_utils._use_triton
+    assert memory.score_labelled_positions_only(cpu) is True and trl_utils._use_triton is wrapped  # wrapped once
+
+    model, vocab = _tiny_fused_model()
+    seen = _RowsSeen(trl_utils._ChunkedLogProbFunction)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", seen)
+    input_ids = torch.randint(0, vocab, (3, 25), generator=torch.Generator().manual_seed(1))
+    labels = input_ids.clone()
+    labels[:, :15] = -100
+    labels[2, 20:] = -100  # a shorter completion (padding)
+    model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    assert seen.rows == [int((labels[:, 1:] != -100).sum())] == [10 + 10 + 5]
+    monkeypatch.setattr(trl_utils, "_use_triton", inspect.unwrap(trl_utils._use_triton))
+    model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    assert seen.rows[1] == 3 * 24  # TRL's CPU path: every shifted position
+
+
+def test_labelled_positions_give_the_log_probs_entropies_and_gradients_of_all_positions(trl_positions):
+    model, vocab = _tiny_fused_model()
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, vocab, (4, 30), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :18] = -100
+    labels[1, 25:] = -100
+    labels[3] = -100  # a row with nothing to score
+
+    every_position = _fused_logps(model, input_ids, labels)
+    memory.score_labelled_positions_only("cpu")
+    labelled_only = _fused_logps(model, input_ids, labels)
+    for a, b in zip(every_position[:2], labelled_only[:2]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert (labelled_only[0][3] == 0).all() and (labelled_only[0][0] != 0).any()
+    assert every_position[2].keys() == labelled_only[2].keys() and every_position[2]
+    for name in every_position[2]:
+        torch.testing.assert_close(labelled_only[2][name], every_position[2][name], rtol=1e-4, atol=1e-6)
+
+    # a piece with no label at all still gives a differentiable zero
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=torch.full_like(labels, -100), fused_lm_head=True)
+    out.log_probs.sum().backward()
+    assert (out.log_probs == 0).all()
+
+
+def test_a_cpu_trainer_bounds_the_tiles(trl_tiles, trl_positions, tmp_path):
     from tests.trainer.tiny_setup import make_model, make_tokenizer, tiny_args
 
     tokenizer = make_tokenizer()
     BiPACETrainer(model=make_model(tokenizer), args=tiny_args(tmp_path), processing_class=tokenizer)
     assert _tiles() == (memory.LOGPROB_TOKEN_TILE, memory.LOGPROB_VOCAB_TILE)
+    assert trl_utils._use_triton(torch.device("cpu")) is True
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
