@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import weakref
 from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from tests.vllm.job import write_result
 
 
 def main() -> None:
@@ -86,7 +84,7 @@ def main() -> None:
                     | {"seconds": time.perf_counter() - start})  # fmt: skip
     resumed = {label: chunk_replies(Path(settings.output_dir) / label, line) for label, line in cut.items()}
     result = {"runs": runs, "cut": cut, "cut_replies": replies, "resumed_replies": resumed}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args, result)
 
 
 def chunk_replies(folder: Path, line: dict) -> list[list[str]]:

@@ -1,8 +1,10 @@
 """What the vLLM job scripts of this folder share: the environment set before vLLM is
 imported, their two arguments and how they hand their result to the test.
 
-Each `*_job.py` runs in the venv of make_venv.sh as `PYTHONPATH=. python tests/vllm/X_job.py
---out result.json --workdir DIR`; the test that started it asserts on the JSON.
+The jobs run in the venv of make_venv.sh as `PYTHONPATH=. python tests/vllm/X_job.py --out
+result.json ...` (all but eval_job.py with `--workdir DIR`, parsed by `job_arguments`); the test
+that started one asserts on its JSON. server_job.py (under `accelerate launch`, a stand-in
+for the server's HTTP client, no vLLM engine) keeps its own start.
 """
 
 from __future__ import annotations
