@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from bipace_trainer.cli import evaluate  # noqa: E402
 from bipace_trainer.cli.evaluate import PROTOCOLS  # noqa: E402
-from train import parse_args  # noqa: E402
+from bipace_trainer.cli.train import parse_args  # noqa: E402
 
 
 def eval_flags(adapters: list[str], split: str, seeds: list[int], per_seed: int, output_dir: str,

@@ -41,7 +41,7 @@ from trl import get_peft_config  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from bipace_trainer.run.warm_start import demonstration_rows, train_warm_start, WARM_START_DIR  # noqa: E402
-from train import MAIN_JOB_DEFAULTS, SHIPPED_WARM_START, parse_args  # noqa: E402
+from bipace_trainer.cli.train import MAIN_JOB_DEFAULTS, SHIPPED_WARM_START, parse_args  # noqa: E402
 
 # The flags of `python train.py --warm_start_steps N ...` that rebuild the shipped adapter.
 WARM_START = ["--warm_start_steps", "32", "--warm_start_tasks", "0", "--warm_start_batch_size", "4",

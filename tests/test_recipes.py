@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from bipace_trainer.cli import train  # noqa: E402
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 # SPEC §6 "Setups", shared by every recipe: G, task groups, lr, KL, clip, γ, penalty, history, temperatures

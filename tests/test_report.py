@@ -159,7 +159,7 @@ def test_an_empty_run_still_gets_a_page(tmp_path):
 def test_train_py_ends_with_the_report_and_a_failing_page_only_warns(run_dir, capsys):
     from types import SimpleNamespace
 
-    import train
+    from bipace_trainer.cli import train
 
     saved = []
     trainer = SimpleNamespace(

@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from bipace_trainer.cli import train  # noqa: E402
 from bipace_trainer.rollout.prompting import build_messages  # noqa: E402
 from bipace_trainer.reports.run_summary import (  # noqa: E402
     evaluation_summary, format_evaluation, learning_curve, wilson_interval,

@@ -1,4 +1,4 @@
-"""Command lines that build a trainer: `bipace-eval` (evaluate). train.py, at the repository root, is the other.
+"""Command lines: `bipace-train` (train.py at the repository root calls it) and `bipace-eval` (evaluate).
 
 May import everything in the package; nothing in the package imports `cli/`.
 """

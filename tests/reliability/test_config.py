@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import train
+from bipace_trainer.cli import train
 from bipace_trainer import BiPACEConfig
 from envs.base import EnvUnavailableError
 

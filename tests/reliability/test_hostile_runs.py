@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from bipace_trainer.cli import train  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "reliability" / "run_tiny.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))

@@ -20,7 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from bipace_trainer.cli import train  # noqa: E402
 from bipace_trainer import BiPACEConfig
 from bipace_trainer.run import run_dir
 from bipace_trainer.reports import show

@@ -125,7 +125,7 @@ def run_main(model_dir, out, monkeypatch, sigterm_at, **overrides):
     import transformers.trainer
     from trl import ModelConfig
 
-    import train
+    from bipace_trainer.cli import train
     from tests.reliability.faulty_envs import SigtermEnv
     from tests.trainer.test_checkpoints import RecordingHubApi
     from tests.trainer.tiny_setup import tiny_args

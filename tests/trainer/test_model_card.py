@@ -18,7 +18,7 @@ from .test_recipe_run import shrunk_recipe
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from bipace_trainer.cli import train  # noqa: E402
 
 
 @pytest.mark.slow

