@@ -41,6 +41,7 @@ _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 DEFAULT_ENV = "textcraft"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
 _HGPO = "https://arxiv.org/abs/2602.22817"
+_GRAPHGPO = "https://arxiv.org/abs/2605.26684"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
@@ -75,6 +76,10 @@ ESTIMATOR_FIELDS = {
     "level_weights": "level_weights",
     "drop_zero_levels": "drop_zero_levels",
     "base_group": "base_group",
+    "step_return": "step_return",
+    "normalize_distance": "normalize_distance",
+    "similarity_merge": "similarity_merge",
+    "similarity_threshold": "similarity_threshold",
 }
 
 _CONFIG_FIELD = {theirs: ours for ours, theirs in ESTIMATOR_FIELDS.items()}
@@ -86,7 +91,8 @@ FIELD_GROUPS = {
         "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
         "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
         "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
-        "level_weights", "drop_zero_levels", "base_group",
+        "level_weights", "drop_zero_levels", "base_group", "step_return", "normalize_distance", "similarity_merge",
+        "similarity_threshold",
     ),
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
@@ -104,6 +110,7 @@ FIELD_GROUPS = {
 _FINITE_FIELDS = (
     "w_ep", "w_step", "step_gamma", "gae_lambda", "invalid_action_penalty", "target_singleton_rate",
     "max_cluster_eps", "eval_temperature", "env_step_timeout", "resample_max_seconds", "level_alpha",
+    "similarity_threshold",
 )
 
 
@@ -122,7 +129,8 @@ class BiPACEConfig(GRPOConfig):
     > Parameters that control the step-level advantage estimator (SPEC §2–§4)
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
-        `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q` (or one added with
+        `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q`, `graphgpo`,
+        `bigraphgpo` (or one added with
         `bipace_trainer.advantages.register_preset`). Every estimator field below left at
         `None` takes the preset's value (`ESTIMATOR_FIELDS` maps each to its
         `EstimatorSettings` name; the defaults in brackets are every built-in preset's).
@@ -151,6 +159,14 @@ class BiPACEConfig(GRPOConfig):
         weights w_k = (k+2)^α (`k+1`: the paper's formula), whether a level with advantage
         exactly 0 leaves the weighted mean (the code: yes), and whether the episode
         advantage joins it with weight 1 (see `bipace_trainer.advantages.baselines`).
+    step_return (`str` or `None` [`discounted`; GraphGPO presets `graph`]): the return the step
+        baseline compares: `discounted` (r_t + γ R_{t+1}) or `graph`, GraphGPO's 10·γ^d with d the
+        distance of the reached state to the goal on the task group's state graph (then
+        `step_gamma` is the graph's γ: 0.1 in the presets). normalize_distance,
+        similarity_merge, similarity_threshold (`None` [False, False, 0.95]): `graph` only: the
+        return 10·γ^{d(next) - d(state) + 1}; merge observations whose text similarity is at
+        least the threshold into one graph node (`hash` only); see
+        `bipace_trainer.advantages.graph`.
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
@@ -332,6 +348,29 @@ class BiPACEConfig(GRPOConfig):
     )
     base_group: bool | None = field(
         default=None, metadata={"help": "Add the episode advantage to the hierarchy's weighted mean with weight 1 (HGPO code)."}
+    )
+
+    step_return: str | None = field(
+        default=None,
+        metadata={
+            "help": "Step return the baseline compares: discounted (r_t + γ R_{t+1}) | graph (GraphGPO: 10·γ^d, d the "
+            "distance of the reached state to the goal on the group's state graph; step_gamma is then the graph's γ, "
+            f"0.1 in the presets); None: the preset's. {_GRAPHGPO}"
+        },
+    )
+    normalize_distance: bool | None = field(
+        default=None,
+        metadata={"help": f"graph return only: 10·γ^(d(next) - d(state) + 1), the distance closed (GraphGPO: false). {_GRAPHGPO}"},
+    )
+    similarity_merge: bool | None = field(
+        default=None,
+        metadata={
+            "help": "graph return over the hash partition only: observations whose difflib ratio reaches "
+            f"similarity_threshold are one graph node (GraphGPO's enable_similarity: false). {_GRAPHGPO}"
+        },
+    )
+    similarity_threshold: float | None = field(
+        default=None, metadata={"help": f"Text similarity of similarity_merge, in (0, 1] (GraphGPO: 0.95). {_GRAPHGPO}"}
     )
 
     # Rollout

@@ -4,7 +4,9 @@
 
 A^ep is the episode-level group advantage (`returns.episode_advantage`); A^s is the
 step baseline (`baselines.BASELINES`) over the cells of the state partition
-(`partition`). A named method is only a set of defaults over these knobs:
+(`partition`), applied to a step return (`step_return`: discounted, `returns`, or the
+distance to the goal on the group's state graph, `graph`). A named method is only a set
+of defaults over these knobs (step return discounted unless said):
 
     preset        partition  baseline   w_ep  importance ratio
     grpo          none       -          1     token
@@ -17,6 +19,8 @@ step baseline (`baselines.BASELINES`) over the cells of the state partition
     hgpo          hash, K=2  hierarchy  0     token      (levels: mean, as verl-agent)
     bihgpo        hidden,K=2 hierarchy  0     token      (levels: mean)
     bihpace_q     hidden,K=2 hierarchy  0     token      (levels: pace_q)
+    graphgpo      hash       mean       1     token      (graph return, γ = 0.1)
+    bigraphgpo    hidden     mean       1     token      (graph return over hidden clusters)
 
 Every knob stays settable: `resolve_settings("gigpo", norm="mean")` is GiGPO without
 the std, as in its WebShop ablation. New values are registrations, not edits:
@@ -36,9 +40,18 @@ from typing import Any, Callable
 import torch
 
 from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, GaeTerms, LevelDetail
-from .partition import PARTITIONS, Partition, PartitionKind, bisect_eps, context_partition, resolve_partition
+from .graph import TransitionGraph, graph_returns, similar_labels, transition_graph
+from .partition import (
+    PARTITIONS,
+    LevelledPartition,
+    Partition,
+    PartitionKind,
+    bisect_eps,
+    context_partition,
+    resolve_partition,
+)
 from .records import BatchLayout, StepBatch
-from .returns import discounted_cumsum, episode_advantage, step_returns, truncation_value
+from .returns import discounted_cumsum, episode_advantage, episode_returns, step_returns, truncation_value
 
 __all__ = [
     "EstimatorSettings",
@@ -53,6 +66,7 @@ __all__ = [
 ]
 
 NORMS = ("mean", "mean_std")
+STEP_RETURNS = ("discounted", "graph")
 LEVEL_WEIGHT_OFFSETS = {"k+2": 2, "k+1": 1}  # verl-agent's code, the HGPO paper
 
 
@@ -103,6 +117,17 @@ class EstimatorSettings:
             weighted mean; False (the paper): it stays in with its weight.
         base_group: add the episode advantage (`norm`, `episode_stats`) as one more item
             of weight 1 (the code's `base_group`, off by default); `w_ep` stays separate.
+
+        Step return (docs/concepts/estimators.md, "Step return"; GraphGPO: arXiv 2605.26684,
+        verl-agent `recipe/GraphGPO/core_graph.py`):
+        step_return: "discounted" (R_t = r_t + γ R_{t+1}: GiGPO, HGPO, PACE, GAE) or "graph"
+            (R_t = 10 γ^d, d the distance of the reached state to the goal on the group's
+            state-transition graph over the partition's cells: `graph`). With "graph", γ is
+            the graph's decay (GraphGPO: 0.1 on ALFWorld, 0.2 on WebShop).
+        normalize_distance: "graph" only; R_t = 10 γ^{d(s_{t+1}) - d(s_t) + 1}, the distance closed.
+        similarity_merge, similarity_threshold: "graph" over `hash` only; observations whose
+            `difflib` ratio is >= the threshold are one graph node (`graph.similar_labels`);
+            the baseline's cells stay the exact anchors, as in the reference.
     """
 
     partition: str = "hidden"
@@ -127,6 +152,10 @@ class EstimatorSettings:
     level_weights: str = "k+2"
     drop_zero_levels: bool = True
     base_group: bool = False
+    step_return: str = "discounted"
+    normalize_distance: bool = False
+    similarity_merge: bool = False
+    similarity_threshold: float = 0.95
 
     def __post_init__(self):
         def fail(name, message):
@@ -180,9 +209,29 @@ class EstimatorSettings:
         choice("level_weights", tuple(LEVEL_WEIGHT_OFFSETS))
         if isinstance(self.level_alpha, bool) or not math.isfinite(float(self.level_alpha)):
             fail("level_alpha", "must be a finite number (HGPO: 1).")
-        for name in ("drop_zero_levels", "base_group"):
+        for name in ("drop_zero_levels", "base_group", "normalize_distance", "similarity_merge"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
+        choice("step_return", STEP_RETURNS)
+        self._check_graph(fail, kind)
+
+    def _check_graph(self, fail, kind) -> None:
+        """The combinations the graph return does not have."""
+        if isinstance(self.similarity_threshold, bool) or not 0.0 < float(self.similarity_threshold) <= 1.0:
+            fail("similarity_threshold", "must lie in (0, 1] (a difflib ratio; GraphGPO: 0.95).")
+        if self.step_return != "graph":
+            for name in ("normalize_distance", "similarity_merge"):
+                if getattr(self, name):
+                    fail(name, "applies to step_return='graph' only; set step_return='graph' or leave it False.")
+            return
+        if not kind.has_cells:
+            fail("step_return", f"needs a partition with cells (its graph's nodes), not partition={self.partition!r}.")
+        if self.baseline == "gae":
+            fail("step_return", "cannot be 'graph' with baseline='gae' (GAE sums rewards; a distance is no reward sum).")
+        if self.bootstrap_truncated:
+            fail("bootstrap_truncated", "applies to step_return='discounted' only (a graph return never bootstraps).")
+        if self.similarity_merge and self.partition != "hash":
+            fail("similarity_merge", "merges observation texts: use it with partition='hash'.")
 
     @property
     def partition_kind(self) -> PartitionKind:
@@ -211,6 +260,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hgpo": dict(partition="hash", baseline="hierarchy", context_levels=2, w_ep=0.0),
     "bihgpo": dict(partition="hidden", baseline="hierarchy", context_levels=2, w_ep=0.0),
     "bihpace_q": dict(partition="hidden", baseline="hierarchy", level_baseline="pace_q", context_levels=2, w_ep=0.0),
+    # GraphGPO's recipe/GraphGPO/config/graphgpo_trainer.yaml: γ 0.1, weights 1, mean_std, no merge
+    "graphgpo": dict(partition="hash", baseline="mean", step_return="graph", gamma=0.1),
+    "bigraphgpo": dict(partition="hidden", baseline="mean", step_return="graph", gamma=0.1),
 }
 
 
@@ -336,6 +388,8 @@ class StepEstimate:
         gae: per step, the terms of GAGPO's advantage (V̄, δ, the discounted sum, the
             centred penalty, the group's μ and σ: `baselines.GaeTerms`) under `baseline="gae"`;
             else None.
+        graph: under `step_return="graph"`, the groups' state graphs (`graph.TransitionGraph`:
+            each step's node and reached node, every node's distance to the goal); else None.
     """
 
     advantage: torch.Tensor
@@ -345,6 +399,7 @@ class StepEstimate:
     branch: torch.Tensor | None = None
     levels: LevelDetail | None = None
     gae: GaeTerms | None = None
+    graph: TransitionGraph | None = None
 
 
 def compute_advantages(
@@ -393,20 +448,13 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         invalid_penalty=settings.invalid_penalty,
     )
     step_adv = torch.zeros_like(ep_adv)
-    partition, step_result, returns = None, None, None
+    partition, step_result, returns, graph = None, None, None, None
     partition_seconds = 0.0
     if settings.has_step_term and len(batch):
         partition_start = time.perf_counter()
         partition = _build_partition(settings, batch, layout, eps)
         partition_seconds = time.perf_counter() - partition_start
-        next_value = None
-        if settings.bootstrap_truncated and bool(batch.truncated.any()):
-            terminal = discounted_cumsum(batch.reward, layout, settings.gamma)
-            next_value = truncation_value(terminal, partition.cell, partition.num_cells, batch.truncated)
-        # R = R^env - p (`step_returns`), with R^env kept exact for the baselines that
-        # keep the penalty out of their recursion (gae)
-        env_returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, 0.0, next_value=next_value)
-        penalty = settings.invalid_penalty * (~batch.valid).to(env_returns.dtype)
+        env_returns, penalty, next_value, graph = _returns(settings, batch, layout, partition)
         returns = env_returns - penalty
         step_result = BASELINES[settings.baseline](
             returns,
@@ -432,6 +480,8 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         eps = None  # no cells were built, so no ε was used
     advantage = settings.w_ep * ep_adv + settings.w_step * step_adv
     diagnostics = _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, eps)
+    if graph is not None:
+        diagnostics.update(graph_diagnostics(graph, layout))
     diagnostics["time/partition_s"] = partition_seconds
     diagnostics["time/estimator_s"] = time.perf_counter() - start
     estimate = StepEstimate(advantage.to(torch.float32), diagnostics)
@@ -443,7 +493,80 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         estimate.branch = step_result.branch if step_result is not None else None
         estimate.levels = step_result.levels if step_result is not None else None
         estimate.gae = step_result.gae if step_result is not None else None
+        estimate.graph = graph
     return estimate
+
+
+def _returns(settings, batch, layout, partition):
+    """(R^env, the invalid-action penalty, the bootstrap value or None, the graph or None) per step.
+
+    R = R^env - p (`step_returns`), with R^env kept apart for the baselines that keep the
+    penalty out of their recursion (gae). Under step_return="graph", R^env is the graph
+    return 10 γ^d (`graph`) over the cells of the base partition (no context levels).
+    """
+    penalty = settings.invalid_penalty * (~batch.valid).to(torch.float64)
+    if settings.step_return == "graph":
+        graph = _graph(settings, batch, layout, partition)
+        return graph_returns(graph, settings.gamma, settings.normalize_distance), penalty, None, graph
+    next_value = None
+    if settings.bootstrap_truncated and bool(batch.truncated.any()):
+        terminal = discounted_cumsum(batch.reward, layout, settings.gamma)
+        next_value = truncation_value(terminal, partition.cell, partition.num_cells, batch.truncated)
+    env_returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, 0.0, next_value=next_value)
+    return env_returns, penalty, next_value, None
+
+
+def _graph(settings, batch, layout, partition) -> TransitionGraph:
+    """The groups' state graphs: nodes are the base cells, or (hash with `next_anchor` or the
+    similarity merge) the anchors themselves, merged by text similarity when asked."""
+    base = partition.levels[0] if isinstance(partition, LevelledPartition) else partition
+    success = episode_returns(batch.reward, layout) > 0
+    use_anchors = settings.partition == "hash" and (batch.next_anchor is not None or settings.similarity_merge)
+    if not use_anchors:
+        return transition_graph(base.cell, layout, success)
+    label, next_label = batch.anchor, batch.next_anchor
+    if settings.similarity_merge:
+        if batch.anchor_text is None:
+            raise ValueError("similarity_merge needs the anchors' texts: give StepBatch.anchor as strings.")
+        won = success[layout.traj_index] & (layout.grid_position == _last_position(layout))
+        masked = None if next_label is None else torch.where(won, -1, next_label)
+        label, next_label = similar_labels(label, batch.anchor_text, layout, settings.similarity_threshold, masked)
+    n = label.shape[0]
+    both = Partition.from_labels(
+        torch.cat([layout.group_index] * (2 if next_label is not None else 1)),
+        torch.cat([label, next_label.clamp(min=0)]) if next_label is not None else label,
+    ).cell
+    return transition_graph(both[:n], layout, success, both[n:] if next_label is not None else None)
+
+
+def _last_position(layout) -> torch.Tensor:
+    """(N,) grid position of the last step of each step's trajectory."""
+    return layout.traj_index * layout.max_length + layout.traj_length[layout.traj_index] - 1
+
+
+def graph_diagnostics(graph: TransitionGraph, layout: BatchLayout) -> dict[str, float]:
+    """Per batch: nodes and distinct edges per task group (means), the fraction of steps whose
+    reached state can reach the goal, their mean distance, the fraction of steps alone on
+    their node, and the fraction of groups with no success (every d = 1 there)."""
+    n, num_groups = graph.node.shape[0], max(layout.num_groups, 1)
+    if not n:
+        return {}
+    used = torch.zeros(graph.num_nodes, dtype=torch.bool)
+    used[graph.node] = True
+    used[graph.next_node] = True
+    visits = torch.bincount(graph.node, minlength=graph.num_nodes)
+    edges = torch.unique(graph.node * graph.num_nodes + graph.next_node).shape[0]
+    reach = graph.reachable[graph.next_node]
+    goal_reached = torch.zeros(num_groups, dtype=torch.bool)
+    goal_reached[graph.node_group[graph.next_node[graph.next_node == graph.num_state_nodes + layout.group_index]]] = True
+    return {
+        "graph/nodes": float(used.sum()) / num_groups,
+        "graph/edges": float(edges) / num_groups,
+        "graph/reachable_frac": float(reach.to(torch.float64).mean()),
+        "graph/mean_distance": float(graph.distance[graph.next_node][reach].mean()) if bool(reach.any()) else 0.0,
+        "graph/singleton_rate": float((visits[graph.node] == 1).to(torch.float64).mean()),
+        "graph/no_goal_frac": 1.0 - float(goal_reached.to(torch.float64).mean()),
+    }
 
 
 class StepAdvantageEstimator:

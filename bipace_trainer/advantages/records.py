@@ -14,6 +14,12 @@ flat, one row per step, in any order:
     hidden (N, d) float   actor hidden state at `cluster_layer`, last prompt token
     truncated (N,) bool   the turn budget ended the trajectory after this step (its
                           last step only): cut, not terminated by the env
+    next_anchor (N,) int64 optional: id of the observation the step led to, in the
+                          anchors' numbering (the graph return reads it; without it the
+                          next step's anchor, and a dead end after a failed last step)
+
+Anchors given as strings (or any non-int values) keep their texts in `anchor_text`
+(id -> value), which the graph return's string-similarity merge reads.
 
 Strings (anchors, action keys) are turned into int64 ids with `factorize`, once,
 outside the hot path. `BatchLayout` derives the dense indices every estimator needs
@@ -151,6 +157,8 @@ class StepBatch:
     action_key: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    next_anchor: torch.Tensor | None = None
+    anchor_text: tuple | None = None
 
     def __post_init__(self):
         self.group = _as_long("group", self.group, None)
@@ -171,8 +179,10 @@ class StepBatch:
         self.truncated = torch.as_tensor(self.truncated, dtype=torch.bool).reshape(-1)
         if self.truncated.shape[0] != n:
             raise ValueError(f"StepBatch.truncated must have shape (N,)={(n,)}, got {tuple(self.truncated.shape)}.")
+        if self.next_anchor is not None and self.anchor is None:
+            raise ValueError("StepBatch.next_anchor needs StepBatch.anchor (the same numbering).")
         if self.anchor is not None:
-            self.anchor = _as_long("anchor", self.anchor, n)
+            self._anchor_ids(n)
         if self.action_key is not None:
             self.action_key = _as_long("action_key", self.action_key, n)
         if self.hidden is not None:
@@ -182,6 +192,24 @@ class StepBatch:
 
     def __len__(self) -> int:
         return self.group.shape[0]
+
+    def _anchor_ids(self, n: int) -> None:
+        """Anchors (and next anchors) as ids; texts factorised in one table, kept in `anchor_text`."""
+        values = self.anchor if isinstance(self.anchor, torch.Tensor) else list(self.anchor)
+        nexts = self.next_anchor
+        if nexts is not None and not isinstance(nexts, torch.Tensor):
+            nexts = list(nexts)
+        texts = not isinstance(values, torch.Tensor) and values and not isinstance(values[0], int)
+        if not texts:
+            self.anchor = _as_long("anchor", values, n)
+            if nexts is not None:
+                self.next_anchor = _as_long("next_anchor", nexts, n)
+            return
+        table: dict = {}
+        self.anchor = _as_long("anchor", [table.setdefault(v, len(table)) for v in values], n)
+        if nexts is not None:
+            self.next_anchor = _as_long("next_anchor", [table.setdefault(v, len(table)) for v in nexts], n)
+        self.anchor_text = tuple(table)
 
 
 @dataclass
