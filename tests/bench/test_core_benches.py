@@ -25,13 +25,27 @@ def run(module, out, *extra):
 def test_estimator_benchmark(tmp_path):
     result, printed = run("estimators", tmp_path / "estimators.json")
     presets = {row["preset"] for row in result["presets"]}
-    assert presets == {"grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo", "hgpo", "bihgpo", "bihpace_q"}
+    assert presets == {
+        "grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo", "hgpo", "bihgpo", "bihpace_q",
+        "graphgpo", "bigraphgpo",
+    }  # fmt: skip
     assert all(row["steps_per_s"] > 0 and row["reference_seconds"] > 0 for row in result["presets"])
     # the hierarchy presets are timed against verl-agent's HGPO, the others against its GiGPO
     assert {row["preset"] for row in result["presets"] if row["reference"] == "hgpo"} == {"hgpo", "bihgpo", "bihpace_q"}
-    assert {row["preset"] for row in result["scaling"]} == {"gigpo", "bipace_q", "gagpo", "hgpo"}
+    assert {row["preset"] for row in result["presets"] if row["reference"] == "graphgpo"} == {"graphgpo", "bigraphgpo"}
+    assert {row["preset"] for row in result["scaling"]} == {"gigpo", "bipace_q", "gagpo", "hgpo", "graphgpo"}
     assert 0.0 <= result["calibration"]["eps"] <= 0.3
     assert "speed-up" in printed
+
+
+@pytest.mark.slow
+def test_clustering_benchmark_times_both_growth_rules_on_the_same_labels(tmp_path):
+    result, printed = run("estimators", tmp_path / "clustering.json", "--clustering")
+    rows = result["clustering"]
+    assert [r["states_per_group"] for r in rows] == [30, 170] and all(r["same_labels"] for r in rows)
+    assert all(r["steps_per_s"] > 0 and r["steps_per_s_doubling"] > 0 for r in rows)
+    assert result["auto_eps"]["second_seconds"] < result["auto_eps"]["first_seconds"]
+    assert "doubling" in printed
 
 
 @pytest.mark.slow
