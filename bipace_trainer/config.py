@@ -352,26 +352,15 @@ class BiPACEConfig(GRPOConfig):
 
     step_return: str | None = field(
         default=None,
-        metadata={
-            "help": "Step return the baseline compares: discounted (r_t + γ R_{t+1}) | graph (GraphGPO: 10·γ^d, d the "
-            "distance of the reached state to the goal on the group's state graph; step_gamma is then the graph's γ, "
-            f"0.1 in the presets); None: the preset's. {_GRAPHGPO}"
-        },
+        metadata={"help": f"discounted | graph (GraphGPO {_GRAPHGPO}: 10·γ^d, d = distance to the goal on the group's graph)."},
     )
     normalize_distance: bool | None = field(
-        default=None,
-        metadata={"help": f"graph return only: 10·γ^(d(next) - d(state) + 1), the distance closed (GraphGPO: false). {_GRAPHGPO}"},
+        default=None, metadata={"help": "graph: 10·γ^(d(next) - d(state) + 1), the distance closed (GraphGPO: false)."}
     )
     similarity_merge: bool | None = field(
-        default=None,
-        metadata={
-            "help": "graph return over the hash partition only: observations whose difflib ratio reaches "
-            f"similarity_threshold are one graph node (GraphGPO's enable_similarity: false). {_GRAPHGPO}"
-        },
+        default=None, metadata={"help": "graph over hash: one node for texts of difflib ratio >= similarity_threshold."}
     )
-    similarity_threshold: float | None = field(
-        default=None, metadata={"help": f"Text similarity of similarity_merge, in (0, 1] (GraphGPO: 0.95). {_GRAPHGPO}"}
-    )
+    similarity_threshold: float | None = field(default=None, metadata={"help": "of similarity_merge (GraphGPO: 0.95)."})
 
     # Rollout
     env_name: str | None = field(
