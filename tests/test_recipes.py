@@ -29,6 +29,9 @@ MAX_TURNS = {"alfworld": 50, "webshop": 15, "textcraft": 30}
 # history window, α = 1, no base group, ALFWorld mean_std_norm, WebShop mean_norm with ≤ 30 steps
 HGPO = {"alfworld": dict(advantage_norm="mean_std", max_turns=50), "webshop": dict(advantage_norm="mean", max_turns=30)}
 EVAL_SPLIT = {"alfworld": "valid_unseen", "webshop": "test", "textcraft": "test_ood"}
+# GraphGPO's public scripts (verl-agent recipe/GraphGPO/run_qwen2.5_*_train.sh, commit 234a913): the graph
+# return's γ (ALFWorld 0.1, WebShop 0.2), weights 1, mean_std_norm, no normalize_distance, no merge
+GRAPHGPO = {"alfworld": dict(step_gamma=0.1), "webshop": dict(step_gamma=0.2)}
 # Fields that decide what a run does; those a recipe does not set must be the documented defaults
 # (generation_batch_size is derived: tasks_per_iteration × num_generations, checked below).
 MATTERS = [
@@ -100,7 +103,7 @@ def test_recipe_holds_the_papers_setting(recipe):
     parsed = parse(["--config", str(recipe), "--use_cpu", "true"])
     assert (value(parsed, "env_name"), value(parsed, "preset")) == (env, preset)
     assert value(parsed, "model_name_or_path") == f"Qwen/Qwen2.5-{size.upper()}-Instruct"
-    for key, expected in PAPERS.items():
+    for key, expected in {**PAPERS, **(GRAPHGPO[env] if preset == "graphgpo" else {})}.items():
         assert value(parsed, key) == expected, key
     assert (value(parsed, "cluster_layer"), value(parsed, "cluster_eps")) == CLUSTERING[size]
     turns = HGPO[env]["max_turns"] if preset == "hgpo" else MAX_TURNS[env]
@@ -112,6 +115,11 @@ def test_recipe_holds_the_papers_setting(recipe):
         estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
         resolved = (estimator.partition, estimator.baseline, estimator.w_ep, estimator.context_levels)
         assert resolved == ("hash", "hierarchy", 0.0, 2)
+    if preset == "graphgpo":
+        estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
+        resolved = (estimator.partition, estimator.baseline, estimator.step_return, estimator.w_ep, estimator.w_step)
+        assert resolved == ("hash", "mean", "graph", 1.0, 1.0) and estimator.norm == "mean_std"
+        assert (estimator.normalize_distance, estimator.similarity_merge, estimator.similarity_threshold) == (False, False, 0.95)
     assert value(parsed, "generation_batch_size") == 16 * 8
     # the settings that used to leak from the CPU demo are written out: no LoRA, checkpoints, a tracker
     for key in ("use_peft", "save_strategy", "save_steps", "report_to", "lr_scheduler_type"):

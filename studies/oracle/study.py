@@ -337,11 +337,15 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
     layout = BatchLayout.from_batch(plain)
     out: dict[str, Any] = {"estimators": {}, "axes": {}, "value_proxy": {}, "grouping": {}}
 
+    q_star = np.array([t.q_star for t in batch.truth])
     for preset in PRESETS:
         settings = resolve_settings(preset)
         if settings.partition == "hidden" and pretrained is None:
             continue
-        out["estimators"][preset] = estimator_metrics(estimate_advantages(plain, settings), a_star, state_ids, group)
+        estimate = estimate_advantages(plain, settings)
+        out["estimators"][preset] = estimator_metrics(estimate, a_star, state_ids, group)
+        # the step return itself against the true Q* (the graph return's accuracy beside the discounted one's)
+        out["estimators"][preset]["return_vs_q_star"] = correlations(estimate.step_return.double().numpy(), q_star)
 
     for partition in PARTITIONS:
         if partition == "hidden" and pretrained is None:
@@ -769,7 +773,8 @@ def main() -> None:
         # hash seed, so prompts, episodes and hidden states would change from run to run.
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], {**os.environ, "PYTHONHASHSEED": "0"})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    # "graph" is a --variation size only (variation.VARIATION_SIZES: the graph presets' rows)
+    parser.add_argument("--size", choices=sorted({*SIZES, "graph"}), default="full")
     parser.add_argument("--env", nargs="*", help="only these envs (default: all of the size)")
     parser.add_argument("--out", type=Path, default=common.ROOT / "studies" / "oracle" / "results")
     parser.add_argument("--work-dir", type=Path, default=common.ROOT / "outputs" / "oracle")

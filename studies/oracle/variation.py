@@ -76,6 +76,10 @@ VARIATION_SIZES = {
         "alfworld": VariationEnv(tasks=1, max_turns=50, seeds=(0,), models=("tiny", "pretrained"),
                                  env_kwargs={"source": "auto"}),
     },
+    # the graph presets' rows (issue 51): TextCraft, 3 seeds, the tiny model's hidden states only
+    "graph": {
+        "textcraft": VariationEnv(tasks=2, max_turns=30, seeds=(0, 1, 2), models=("tiny",)),
+    },
     "ci": {
         "textcraft": VariationEnv(tasks=2, max_turns=30, expert_prob=0.7, group_size=4, seeds=(0,), models=("ci",)),
         "alfworld": VariationEnv(tasks=1, max_turns=50, expert_prob=0.7, group_size=2, seeds=(0,), models=("ci",),
@@ -84,7 +88,7 @@ VARIATION_SIZES = {
 }
 
 ADAPTER = common.ROOT / "warm_starts" / "smollm2-135m-textcraft"
-HIDDEN_PRESETS = ("bipace_q", "bigpo", "bipace_diff", "bigagpo", "bihgpo", "bihpace_q")
+HIDDEN_PRESETS = ("bipace_q", "bigpo", "bipace_diff", "bigagpo", "bihgpo", "bihpace_q", "bigraphgpo")
 TINY_MODELS = ("tiny", "ci")  # cheap enough for every seed
 
 
@@ -320,8 +324,9 @@ def variation_tables(result: dict[str, Any]) -> str:
                 row.append(" / ".join(_fmt(_stat([g[m] for g in gs])) for m in ("singleton_rate", "purity", "split_rate")))
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         models = list(dict.fromkeys(m for level in levels for b in cells[(env, level)] for m in b["models"]))
-        columns = [("grpo", None), ("gigpo", None), ("gagpo", None), ("hash/pace_q", None), ("true/pace_q", None)]
-        columns += [("bipace_q", m) for m in models] + [("hidden/pace_q", m) for m in models]
+        columns = [("grpo", None), ("gigpo", None), ("gagpo", None), ("graphgpo", None), ("hash/pace_q", None)]
+        columns += [("true/pace_q", None)] + [("bipace_q", m) for m in models] + [("hidden/pace_q", m) for m in models]
+        columns += [("bigraphgpo", m) for m in models]
         lines += _spearman_table(f"**{env} under surface variation: Spearman of the step advantage with A\\*** "
                                  "(mean ± std over seeds)", columns, levels, [cells[(env, level)] for level in levels])
         lines += _hierarchy_table(env, models, levels, [cells[(env, level)] for level in levels])
