@@ -1,5 +1,5 @@
-"""Draws the docs' figures (committed next to this file): the data flow of one training step and the
-two estimator axes. Run from the repository root after changing a picture:
+"""Draws the docs' figures (committed next to this file): the data flow of one training step, the
+two estimator axes and the graph step return (GraphGPO). Run from the repository root after changing a picture:
 
     python docs/figures/make_figures.py
 
@@ -114,8 +114,57 @@ def baseline_axis():
     plt.close(fig)
 
 
+# the same task group as a graph: the edges its steps took, and where each rollout ended
+EDGES = [("s0", "s1"), ("s1", "s2"), ("s2", "goal"), ("s1", "s3"), ("s3", "end 1"), ("s0", "s4"), ("s4", "s4"),
+         ("s4", "end 2"), ("s2", "end 3")]
+POSITIONS = {"s0": (0, 1), "s1": (1, 1.6), "s2": (2, 1.6), "goal": (3, 1.6), "s3": (2, 0.9), "end 1": (3, 0.9),
+             "s4": (1, 0.2), "end 2": (2, 0.2), "end 3": (3, 2.3)}
+# distances to the goal by reverse breadth-first search; unreachable: far + 1 = 4 (far = d(s0) = 3)
+DISTANCE = {"goal": 0, "s2": 1, "s1": 2, "s0": 3, "s3": 4, "end 1": 4, "s4": 4, "end 2": 4, "end 3": 4}
+
+
+def step_return_axis(gamma=0.1):
+    """The graph step return: one graph per task group over the partition's cells, d to the goal, 10·γ^d."""
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1.25, 1]})
+    ax.set_xlim(-0.4, 3.5)
+    ax.set_ylim(-0.2, 2.7)
+    ax.axis("off")
+    for a, b in EDGES:
+        if a == b:
+            ax.annotate("", xy=(POSITIONS[a][0] + 0.1, POSITIONS[a][1] + 0.12), xytext=(POSITIONS[a][0] - 0.1, POSITIONS[a][1] + 0.12),
+                        arrowprops=dict(arrowstyle="-|>", connectionstyle="arc3,rad=-1.6", color="#555"))
+            continue
+        ax.add_patch(FancyArrowPatch(POSITIONS[a], POSITIONS[b], arrowstyle="-|>", mutation_scale=11, color="#555",
+                                     shrinkA=11, shrinkB=11))
+    for node, (x, y) in POSITIONS.items():
+        colour = "#55a868" if node == "goal" else ("#bbbbbb" if node.startswith("end") else COLOURS.get(node, "#999"))
+        ax.scatter(x, y, s=520, c=colour, edgecolors="#333", zorder=3)
+        ax.text(x, y, node, ha="center", va="center", fontsize=7, color="white", zorder=4)
+        ax.text(x, y - 0.3, f"d={DISTANCE[node]}", ha="center", fontsize=7, color="#333")
+    ax.set_title("one task group's graph (nodes: cells; ends of failed rollouts: dead ends)", fontsize=9)
+    # the returns of rollout 0 (s0 → s1 → s2 → goal) and 1 (s0 → s1 → s3 → end) under the two step returns
+    steps = [("r0 t0\ns0→s1", 0.90, DISTANCE["s1"]), ("r0 t1\ns1→s2", 0.95, DISTANCE["s2"]),
+             ("r0 t2\ns2→goal", 1.0, 0), ("r1 t0\ns0→s1", 0.90, DISTANCE["s1"]), ("r1 t1\ns1→s3", 0.0, DISTANCE["s3"])]
+    xs = range(len(steps))
+    blue = bars.bar([x - 0.18 for x in xs], [r for _, r, _ in steps], 0.36, color="#4c72b0",
+                    label="discounted: r + γR' (γ 0.95; the example's returns)")
+    orange = bars.bar([x + 0.18 for x in xs], [10 * gamma**d / 10 for _, _, d in steps], 0.36, color="#dd8452",
+                      label=f"graph: 10·γ^d(next) / 10 (γ {gamma})")
+    bars.bar_label(blue, fmt="%.2f", fontsize=6.5)
+    bars.bar_label(orange, labels=[f"γ^{d}" for _, _, d in steps], fontsize=6.5)
+    bars.set_ylim(0, 1.25)
+    bars.set_xticks(list(xs), [label for label, _, _ in steps], fontsize=7.5)
+    bars.set_ylabel("step return (graph ÷ 10)")
+    bars.set_title("Axis 3, step return: rollout 0's t0 and rollout 1's t0 share s0 → s1", fontsize=9)
+    bars.legend(fontsize=7.5, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(HERE / "axis_step_return.png", dpi=130)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     data_flow()
     partition_axis()
     baseline_axis()
+    step_return_axis()
     print("wrote", *sorted(p.name for p in HERE.glob("*.png")))
