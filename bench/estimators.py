@@ -261,6 +261,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI size: small batches, width 256")
     parser.add_argument("--clustering", action="store_true", help="only the hidden clustering at 30-400 states/group")
+    parser.add_argument("--sizes", type=int, nargs="+", help="batch sizes (steps) of the growth table instead of the default")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "estimators.json"))
     args = parser.parse_args()
 
@@ -279,6 +280,7 @@ def main():
         dim, groups_list, sizes, repeats = 256, [4], [1_000, 4_000], 1
     else:
         dim, groups_list, sizes, repeats = 3584, [16, 64], [1_000, 4_000, 16_000, 25_600, 100_000], 3
+    sizes = args.sizes or sizes
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, hidden width {dim}")
 
     presets = preset_table(groups_list, dim, repeats, with_reference=True)

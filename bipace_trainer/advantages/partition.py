@@ -207,9 +207,13 @@ def leader_cluster(hidden: torch.Tensor, layout: BatchLayout, eps: float, block:
     chunks: 2·N·(K + block)·d flops in batched GEMMs (the floor: every step meets every
     centroid of its group, as the rule demands), each row read from memory once
     (normalised, multiplied and scattered while its block is in cache), and C·n
-    iterations of the scalar walk on (G/C, K + block) arrays. On 2 CPU cores at
-    d = 3,584 and K ≈ 30 that is 110-140k steps/s from 6,400 to 100k steps, 4-5× the
-    GiGPO reference timed in the same run (bench/estimators.py).
+    iterations of the scalar walk on (G/C, K + block) arrays. Measured by bench/estimators.py
+    on batches of groups × 8 rollouts × 50 steps at d = 3,584: with ~30 distinct states
+    (K ≈ 30) per group, 110-140k steps/s on 2 idle cores from 6,400 to 100k steps, 4-5× the
+    GiGPO reference timed in the same run (docs/performance.md); with 170-400 distinct
+    states (K ≈ 150-250) per group the cost per step grows with K: 19-30k steps/s per thread
+    on an idle machine (issue 51), 3.2-5.3k on one thread of a loaded one
+    (`--clustering`, docs/results/graphgpo.md).
 
     Args:
         hidden: (N, d) float hidden states (any scale; rows are L2-normalised here).
