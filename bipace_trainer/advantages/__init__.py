@@ -13,6 +13,10 @@ Map from SPEC to code:
     §4 HGPO                    partition.context_partition (LevelledPartition: levels k = 0..K
                                over any partition), baselines.hierarchy_baseline (LevelDetail);
                                per-level diagnostics: presets.level_diagnostics
+    step return (axis 3)       returns.step_returns (discounted), graph.transition_graph +
+                               graph.graph_returns (GraphGPO's 10·γ^d; `step_return="graph"`),
+                               graph.similar_labels (the similarity merge); per-step diagnostics:
+                               presets.graph_diagnostics (docs/concepts/estimators.md)
     §4 combination, presets    presets.PRESETS, presets.resolve_settings,
                                presets.compute_advantages, presets.StepAdvantageEstimator
                                (the one owner of "auto" ε and its fallback: eps_in_use)
@@ -22,6 +26,7 @@ Map from SPEC to code:
 """
 
 from .baselines import BASELINES
+from .graph import TransitionGraph, goal_distances, graph_returns, similar_labels, transition_graph
 from .partition import (
     PARTITIONS,
     LevelledPartition,
@@ -62,6 +67,7 @@ __all__ = [
     "StepAdvantageEstimator",
     "StepBatch",
     "StepEstimate",
+    "TransitionGraph",
     "calibrate_eps",
     "compute_advantages",
     "context_partition",
@@ -69,6 +75,8 @@ __all__ = [
     "episode_advantage",
     "episode_returns",
     "factorize",
+    "goal_distances",
+    "graph_returns",
     "hash_partition",
     "hidden_partition",
     "leader_cluster",
@@ -76,6 +84,8 @@ __all__ = [
     "register_preset",
     "resolve_partition",
     "resolve_settings",
+    "similar_labels",
     "step_returns",
+    "transition_graph",
     "truncation_value",
 ]
