@@ -57,9 +57,7 @@ from .micro_batches import piece_weights, split_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import model_card
 from .rollout.batching import training_batch
-from .rollout.collector import (  # noqa: F401
-    SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, _sharded_forward, env_reward, task_dataset,
-)
+from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, _sharded_forward, env_reward, task_dataset
 from .rollout.hidden import clamp_layer
 from .rollout.loop import Rollout, TaskRef
 from .rollout.overlap import Prefetched, RolloutOverlap
@@ -67,11 +65,10 @@ from .rollout.prompting import fit_prompt_ids
 from .rollout.tool_envs import check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
-from .run.checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
-from .run.evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
+from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
 from .trl_metrics import loss_metric_names, summarise_episodes, trl_metrics
 
-__all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
+__all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
 
