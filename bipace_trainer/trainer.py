@@ -184,7 +184,6 @@ class BiPACETrainer(GRPOTrainer):
             tools=tools,
             environment_factory=environment_factory,
         )
-        memory.bound_cpu_memory(self.accelerator.device)  # log-prob tiles, freed memory: docs/memory.md
         self.estimator = StepAdvantageEstimator(args.estimator)
         needs_hidden = "hidden" in args.estimator.rollout_needs
         if needs_hidden:
@@ -256,15 +255,17 @@ class BiPACETrainer(GRPOTrainer):
         run in which every episode failed raises instead of reporting success."""
         if self.is_world_process_zero():
             run_dir.clean_stale_files(self.args.output_dir)  # a killed dump's .partial, the user's README.md
-        try:
-            output = super().train(*args, **kwargs)
-        except TrainingInterrupted as stop:
-            logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
-            return None
-        finally:
-            self._graceful_stop.restore_handler()
-            if self._overlap is not None:
-                self._overlap.close()  # a prefetched generation past the run's last step is not trained on
+        # TRL's fused LM head in small tiles on a CPU, for this run only (undone on exit: `trl_compat`)
+        with memory.bound_cpu_memory(self.accelerator.device):
+            try:
+                output = super().train(*args, **kwargs)
+            except TrainingInterrupted as stop:
+                logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
+                return None
+            finally:
+                self._graceful_stop.restore_handler()
+                if self._overlap is not None:
+                    self._overlap.close()  # a prefetched generation past the run's last step is not trained on
         collector = self.collector
         if collector.train_generations and not collector.healthy_generations and not self.interrupted:
             raise RuntimeError(collector.every_env_failed(f"all {collector.train_generations} generations of the run"))

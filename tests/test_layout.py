@@ -18,16 +18,19 @@ PACKAGE_DIR = ROOT / "bipace_trainer"
 # subpackage, or a top-level module by its name. Mirrors the subpackages' docstrings.
 ALLOWED = {
     "advantages": set(),
-    "rollout": {"advantages"},
+    "rollout": {"advantages", "trl_compat"},
     "reports": {"models"},
     "run": {"rollout", "advantages", "reports", "models"},
-    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics", "memory"},
+    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics", "memory", "trl_compat"},
     "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
     "micro_batches": set(),
     "trl_metrics": set(),
-    "memory": set(),
-    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory"},
+    "memory": {"trl_compat"},
+    "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
+    "trainer": {
+        "advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory", "trl_compat",
+    },
     "__init__": {"config", "trainer", "rollout"},
 }
 SUBPACKAGES = ("advantages", "rollout", "run", "reports", "cli")

@@ -14,6 +14,6 @@
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
-transformers. Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the
+transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives). Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the
 rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for generation).
 """
