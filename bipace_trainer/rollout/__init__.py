@@ -1,7 +1,7 @@
 """Playing episodes, and what each played step becomes: everything between an env and TRL's batch.
 
     loop            run_rollouts: lockstep or continuous multi-turn rollouts → Rollout (StepRecord, Episode), TaskRef,
-                    EnvAdapter / TextEnvAdapter (SPEC §1)
+                    EnvAdapter / TextEnvAdapter (docs/concepts/math.md#step-records)
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
@@ -14,6 +14,7 @@
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
-transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives). Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the
-rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for generation).
+transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives).
+Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the rollout, never
+the other way round (the collector takes TRL's `GRPOTrainer` for generation).
 """
