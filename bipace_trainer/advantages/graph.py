@@ -3,7 +3,7 @@
 GraphGPO (Cheng et al., ICML 2026, arXiv 2605.26684; verl-agent `recipe/GraphGPO/core_graph.py`)
 merges the steps of every trajectory of a task group into one state-transition graph and
 scores each step by the distance of the state it reached to the goal, instead of by the
-rewards that followed it (docs/concepts/estimators.md, "Step return"):
+rewards that followed it (docs/concepts/math.md#graph-return; the ideas: docs/concepts/estimators.md):
 
     nodes      the cells of a state partition (exact anchors: `hash`; hidden-state
                clusters: `hidden`), one goal node per group, one dead end per failed
