@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -432,10 +433,15 @@ def estimate_advantages(
     return _estimate_once(batch, settings, cluster_eps, per_step=True)
 
 
+# id(StepBatch) -> {(partition, target rate, cap): ε calibrated on it}, while the batch lives
+_CALIBRATED: dict[int, dict[tuple[str, float, float], float]] = {}
+
+
 def _estimate_once(batch, settings, cluster_eps, per_step) -> StepEstimate:
     """ε as given, else as the settings say; "auto" is calibrated on this batch once: the ε is
-    kept on the batch object (`StepBatch.calibrated_eps`), so the presets and baselines a study
-    compares on one batch share one calibration (15 clusterings) instead of repeating it."""
+    kept for the batch object while it lives (`_CALIBRATED`), so the presets and baselines a
+    study compares on one batch share one calibration (15 clusterings) instead of repeating it.
+    A new StepBatch (even of the same rows) calibrates afresh."""
     if cluster_eps is not None:
         return _estimate(batch, settings, float(cluster_eps) if settings.partition_kind.takes_eps else None, per_step)
     estimator = StepAdvantageEstimator(settings)
@@ -443,12 +449,16 @@ def _estimate_once(batch, settings, cluster_eps, per_step) -> StepEstimate:
         return estimator._run(batch, None, per_step)
     key = (settings.partition, float(settings.target_singleton_rate), float(settings.max_cluster_eps))
     start = time.perf_counter()
-    if key not in batch.calibrated_eps:
+    known = _CALIBRATED.get(id(batch), {})
+    if key not in known:
         estimator.calibrate(batch)
         if estimator.cluster_eps is not None:
-            batch.calibrated_eps[key] = estimator.cluster_eps
+            if id(batch) not in _CALIBRATED:  # forget it with the batch: ids are reused after that
+                weakref.finalize(batch, _CALIBRATED.pop, id(batch), None)
+            known = _CALIBRATED.setdefault(id(batch), {})
+            known[key] = estimator.cluster_eps
     seconds = time.perf_counter() - start
-    estimate = _estimate(batch, settings, batch.calibrated_eps.get(key, estimator.eps_in_use), per_step)
+    estimate = _estimate(batch, settings, known.get(key, estimator.eps_in_use), per_step)
     estimate.diagnostics["time/calibration_s"] = seconds
     return estimate
 

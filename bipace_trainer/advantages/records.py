@@ -29,7 +29,7 @@ calls, and validates the batch while doing so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Iterable
 
 import torch
@@ -159,10 +159,6 @@ class StepBatch:
     truncated: torch.Tensor | None = None
     next_anchor: torch.Tensor | None = None
     anchor_text: tuple | None = None
-    # ε of cluster_eps="auto" calibrated on this batch, per (partition, target rate, cap): later
-    # `compute_advantages` calls on the same batch object reuse it (`presets._estimate_once`).
-    # Not copied by dataclasses.replace: a batch with other fields calibrates afresh.
-    calibrated_eps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.group = _as_long("group", self.group, None)
