@@ -118,9 +118,11 @@ def begin_run(
     """Check that `output_dir` can take this run and record its id; returns the id.
 
     A new run (`resume` None) in a folder with checkpoints is refused unless `overwrite`,
-    which removes them (and a half-written `.staging`) first. A resumed run keeps the
-    folder's id; the checkpoint it resumes from must be this run's (`compare_with_checkpoint`).
-    Only the process with `write` (the main one) removes and records anything.
+    which removes them (and a half-written `.staging`) first. A resumed run (`resume`: the
+    checkpoint, or True for the folder's last) takes the id the checkpoint carries, wherever
+    the checkpoint is (`_resumed_record`), unless that would mix two runs' checkpoints in the
+    folder (`mixed_runs`: refused). Only the process with `write` (the main one) removes and
+    records anything.
     """
     folder = Path(output_dir)
     found = checkpoints(folder)
