@@ -152,7 +152,6 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
     """{title: plotly Figure}: the rates (training-batch success, success over every rollout played,
     valid-action rate, held-out success with its 95% interval), the loss, and the diagnostics."""
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
     curve = learning_curve(log_history)
     figures: dict[str, Any] = {}

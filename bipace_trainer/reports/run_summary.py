@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 __all__ = [
     "wilson_interval", "learning_curve", "plot_learning_curve", "evaluation_summary", "format_evaluation", "CURVE_FILE",
-    "EVAL_MARKERS", "intervals_overlap",
+    "EVAL_MARKERS", "eval_marker", "intervals_overlap",
 ]
 
 CURVE_FILE = "learning_curve.png"
@@ -113,7 +113,6 @@ def plot_learning_curve(
             [evaluation["step"]], [rate], yerr=[[rate - low], [high - rate]], fmt=eval_marker(evaluation.get("tag"), 0),
             color="black", capsize=4, label=f"held-out success ({evaluation['tag']}, n={n}, 95% CI)",
         )
-
     rates.set_xlabel("RL optimizer step")
     rates.set_ylabel("rate")
     rates.set_ylim(-0.05, 1.05)
@@ -155,7 +154,7 @@ def evaluation_summary(evaluation: dict[str, Any] | None) -> dict[str, Any] | No
 
 
 def intervals_overlap(evaluations: Sequence[dict[str, Any]]) -> str | None:
-    """'intervals overlap: before 0.14-0.69, final 0.22-0.79 (95%)' when the held-out success
+    """'intervals overlap: before 0.14-0.69, final 0.22-0.78 (95%)' when the held-out success
     intervals of the evaluation before training and the final one overlap (the change is within
     what chance gives on so few episodes), else None (no overlap, or not both evaluated)."""
     last = {e.get("tag"): evaluation_summary(e) for e in evaluations if evaluation_summary(e) is not None}
