@@ -50,8 +50,9 @@ EVAL_FILE = "eval_results.json"
 def evaluation_settings(args) -> dict[str, Any]:
     """The settings an evaluation was played with, in `bipace-eval`'s flag names (`cli.evaluate`
     reads them back as its defaults for the run's output dir). A dict inside the result: not logged."""
+    env_kwargs = json.loads(json.dumps(args.env_kwargs, default=str))  # eval_results.json takes JSON values only
     return {
-        "env": args.env_name, "env_kwargs": args.env_kwargs, "max_turns": args.max_turns,
+        "env": args.env_name, "env_kwargs": env_kwargs, "max_turns": args.max_turns,
         "history_length": args.history_length, "max_completion_length": args.max_completion_length,
         "temperature": args.eval_temperature, "tasks": args.eval_tasks, "episodes_per_task": args.eval_rollouts_per_task,
     }  # fmt: skip
