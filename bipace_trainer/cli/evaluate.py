@@ -12,7 +12,7 @@ env_kwargs, split, turns, history, reply length, temperature, tasks) are the def
 flag still wins. Without saved settings, the env's protocol applies.
 
 Protocol (`PROTOCOLS`, each value overridable by its flag): the papers validate at temperature
-0.4 with seeds 123, 456 and 789 (SPEC §6); ALFWorld on `valid_seen` and `valid_unseen` (the
+0.4 with seeds 123, 456 and 789 (docs/concepts/math.md#paper-setups); ALFWorld on `valid_seen` and `valid_unseen` (the
 official games when `alfworld-download` put them where `envs.alfworld` looks, else the generated
 ones) at 50 turns; WebShop on its `test` goals at 15 turns; TextCraft on its held-out goals
 (`test_ood`, the recipes' evaluation split) at 30 turns; history window 2. Every task of a split
@@ -90,7 +90,7 @@ class Protocol:
     source: str = ""  # where the numbers come from
 
 
-# The papers' validation settings (SPEC §6 and the recipes under recipes/, which cite them).
+# The papers' validation settings (docs/concepts/math.md#paper-setups, and the recipes under recipes/, which cite them).
 PROTOCOLS: dict[str, Protocol] = {
     "alfworld": Protocol(("valid_seen", "valid_unseen"), 50, source="GiGPO/BiPACE: ALFWorld valid splits, <= 50 steps"),
     "webshop": Protocol(("test",), 15, source="GiGPO/BiPACE: WebShop test goals, <= 15 steps"),
@@ -139,7 +139,7 @@ def run_settings(specs: Sequence[str]) -> tuple[dict[str, Any], str]:
 def _saved_settings(source: Path) -> dict[str, Any]:
     """The evaluation settings in an `eval_results.json` (its last evaluation's) or a checkpoint
     (`bipace_state.json`: its evaluation history's, else its config's); {} if it holds none."""
-    from ..run.checkpointing import STATE_FILE
+    from ..run.run_dir import STATE_FILE
 
     try:
         saved = json.loads((source / STATE_FILE if source.is_dir() else source).read_text())
