@@ -154,7 +154,10 @@ def test_oracle_study_ci_size(tmp_path):
     b = with_hidden[0]
     assert set(b["estimators"]) == {
         "grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo", "hgpo", "bihgpo", "bihpace_q",
+        "graphgpo", "bigraphgpo",
     }  # fmt: skip
+    for metrics in b["estimators"].values():  # each preset's step return against Q*
+        assert math.isnan(metrics["return_vs_q_star"]["spearman"]) or -1.0 <= metrics["return_vs_q_star"]["spearman"] <= 1.0
     baselines = ("mean", "pace_q", "pace_diff", "gae", "hierarchy", "hierarchy_pace_q")
     assert set(b["axes"]) == {f"{p}/{q}" for p in ("hash", "hidden", "true") for q in baselines}
     for batch in batches:  # HGPO's context inconsistency at K = 2, on every batch
