@@ -45,6 +45,12 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def deepspeed_on_cpu() -> bool:
+    """Launched with DeepSpeed on a machine without a GPU (accelerate_config_cpu.yaml): transformers must be told
+    use_cpu, or it sets up one process, not the launcher's world, and DeepSpeed refuses its batch size."""
+    return _true("ACCELERATE_USE_DEEPSPEED") and not _cuda_devices()
+
+
 def check_launch(argv: list[str]) -> None:
     """Before parsing: the recipe file's keys, DeepSpeed's presence, processes against devices, mixed precision."""
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None

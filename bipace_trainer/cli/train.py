@@ -489,6 +489,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     try:
         env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
         parser = make_parser(main_job="--config" not in argv, env_name=env_name)
+        if preflight.deepspeed_on_cpu():  # else "train_batch_size 2 != 2 * 1 * 2" once the model has loaded
+            parser.set_defaults(use_cpu=True)
         printing = printing_only() if "--print_config" in argv else contextlib.nullcontext()
         with printing:
             script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
