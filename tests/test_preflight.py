@@ -204,7 +204,8 @@ def test_a_launched_run_says_its_refusal_once(config_only_model, tmp_path, confi
     pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2",
            "--main_process_port", str(free_port()), *extra, "train.py", "--model_name_or_path", str(config_only_model),
-           "--env", "tiny", "--rollout_mode", "continuous", "--output_dir", str(tmp_path / "out")]
+           "--env", "tiny", "--rollout_mode", "continuous", "--tasks_per_iteration", "2",
+           "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=ROOT, env=BASE_ENV, capture_output=True, text=True, timeout=600)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error: ")]
     assert len(ours) == 1, proc.stdout[-2000:] + proc.stderr[-4000:]  # rank 0 says it; the launcher then reports
