@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        build_model(work / "model", QUICK_SHAPE if args.quick else QWEN25_05B)
+        # in a child process: this one would keep the built model's ~1 GiB (bf16 0.5B) for the whole run
+        shape = json.dumps(QUICK_SHAPE if args.quick else QWEN25_05B)
+        subprocess.run([sys.executable, "-c", "import json, sys; from bench.recipe_shape import build_model; "
+                        "from pathlib import Path; build_model(Path(sys.argv[1]), json.loads(sys.argv[2]))",
+                        str(work / "model"), shape], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
         build_seconds = time.perf_counter() - start
         result = launch(write_recipe(Path(args.recipe), work / "model", work), work, args.zero_stage, args.precision)
         result.update(recipe=str(Path(args.recipe).relative_to(ROOT)) if Path(args.recipe).is_relative_to(ROOT)

@@ -1,9 +1,10 @@
 """Every mistake train.py can know up front is refused before any model loads: exit code 2 and one
 line naming the setting and the fix, said once however many processes the launcher started.
 
-Each case runs train.py as a user does, on a "model" folder holding only a config.json: a run that
-got as far as loading the tokenizer or the weights would fail there with a traceback and exit 1,
-so exit 2 with our one line shows the refusal came first. Most cases give train.py the variables
+Each case runs train.py as a user does, on a "model" folder holding only a config.json, with a hash
+preset (no cluster_layer to check against the model): a run that got as far as loading the weights
+fails there with a 21-line traceback and exit 1 (as these cases did before the pre-flight), so
+exit 2 with our one line shows the refusal came first. Most cases give train.py the variables
 `accelerate launch` sets (RANK, WORLD_SIZE, ACCELERATE_*) rather than launching: the checks read
 only those, and the refusal comes before the process group starts; two cases launch for real.
 """
@@ -43,7 +44,7 @@ def config_only_model(tmp_path_factory):
 
 def run_train(model: Path, *argv: str, env: dict | None = None, hide: str | None = None, tmp: Path):
     """train.py with `argv` on the config-only model; `hide` makes a module not installed (find_spec → None)."""
-    args = ["--model_name_or_path", str(model), "--output_dir", str(tmp / "out"), *argv]
+    args = ["--model_name_or_path", str(model), "--preset", "gigpo", "--output_dir", str(tmp / "out"), *argv]
     if hide:
         code = (f"import sys, runpy; sys.modules[{hide!r}] = None; sys.argv = ['train.py', *sys.argv[1:]]; "
                 "runpy.run_path('train.py', run_name='__main__')")
@@ -135,7 +136,7 @@ def test_an_env_module_that_fails_on_import_is_refused(config_only_model, tmp_pa
 
 def test_a_recipe_that_writes_env_is_told_to_write_env_name(config_only_model, tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"model_name_or_path: {config_only_model}\nenv: tiny\nmax_steps: 1\n")
+    recipe.write_text(f"model_name_or_path: {config_only_model}\npreset: gigpo\nenv: tiny\nmax_steps: 1\n")
     proc = subprocess.run([sys.executable, "train.py", "--config", str(recipe)], cwd=ROOT, env=BASE_ENV,
                           capture_output=True, text=True, timeout=300)
     assert_refused(proc, "env: 'tiny'", "env_name: tiny")
@@ -204,7 +205,7 @@ def test_a_launched_run_says_its_refusal_once(config_only_model, tmp_path, confi
     pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2",
            "--main_process_port", str(free_port()), *extra, "train.py", "--model_name_or_path", str(config_only_model),
-           "--env", "tiny", "--rollout_mode", "continuous", "--tasks_per_iteration", "2",
+           "--env", "tiny", "--preset", "gigpo", "--rollout_mode", "continuous", "--tasks_per_iteration", "2",
            "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=ROOT, env=BASE_ENV, capture_output=True, text=True, timeout=600)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error: ")]
