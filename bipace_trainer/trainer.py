@@ -53,10 +53,11 @@ from trl import GRPOTrainer
 from . import memory
 from .advantages import StepAdvantageEstimator, StepEstimate
 from .config import BiPACEConfig
-from .micro_batches import piece_weights, split_rows
+from .micro_batches import piece_weights, split_rows, take_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import model_card
 from .rollout.batching import training_batch
+from .shared_prefix import SharedPrefixForward
 from .rollout.collector import (  # noqa: F401
     SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, _sharded_forward, env_reward, task_dataset,
 )
@@ -199,6 +200,7 @@ class BiPACETrainer(GRPOTrainer):
             source = TextEnvSource(args)
         self.collector = RolloutCollector(self, source, needs_hidden=needs_hidden)
         self._sync = self.collector.sync
+        self._shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
         self.eval_history: list[dict[str, Any]] = []
         self.interrupted = False
@@ -410,7 +412,9 @@ class BiPACETrainer(GRPOTrainer):
             for name in loss_metric_names(self.loss_type, self.beta):  # TRL's loss metrics: logged, unknown (None)
                 self._metrics["train"][name].append(float("nan"))
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-        pieces = split_rows(inputs, self.args.per_device_train_batch_size)
+        size = self.args.per_device_train_batch_size
+        runs = self._shared_prefix.pieces(inputs, size) if self._shared_prefix is not None else None
+        pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
         if len(pieces) == 1:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned
@@ -432,6 +436,20 @@ class BiPACETrainer(GRPOTrainer):
                     self.accelerator.backward(loss)
             done = done + loss.detach()
         return super().compute_loss(model, pieces[-1]) * weights[-1] + done
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL's, or the same values with each shared prefix forwarded once (`shared_prefix.py`)."""
+        trl = super()._get_per_token_logps_and_entropies
+
+        def plain(m=model, ids=input_ids, mask=attention_mask):
+            return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
+
+        shared = getattr(self, "_shared_prefix", None)
+        if shared is None or not shared.applies(compute_aux_loss, extra):
+            return plain()
+        return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                          compute_entropy, plain)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -1,0 +1,242 @@
+"""The shared-prefix forward (`bipace_trainer.shared_prefix`) gives TRL's plain row-by-row path's
+per-token log-probs, entropies, loss and gradients, on every layout a training batch can take, while
+forwarding fewer tokens. The reference is TRL's own `_get_per_token_logps_and_entropies`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from accelerate import Accelerator
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from trl import GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from bipace_trainer.rollout.prompting import fit_prompt_ids
+from bipace_trainer.shared_prefix import group_rows, packed_logps, plan_layout
+
+PAD = 0
+VOCAB = 96
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class _TRL:
+    """What TRL's `_get_per_token_logps_and_entropies` reads from its trainer: the accelerator's autocast."""
+
+    accelerator = Accelerator(cpu=True)
+
+
+def tiny_model(attn: str = "sdpa", seed: int = 0, lora: bool = False, checkpointing: bool = False):
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=PAD, bos_token_id=None, eos_token_id=1,
+        tie_word_embeddings=True, attn_implementation=attn,
+    )
+    model = Qwen2ForCausalLM(config)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        for name, parameter in model.named_parameters():  # a non-zero adapter, so that it matters
+            if "lora_B" in name:
+                torch.nn.init.normal_(parameter, std=0.1)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def layout(prompts: list[list[int]], completions: list[list[int]], masked: set[int] = frozenset()):
+    """TRL's rows: prompts left-padded, completions right-padded (a row in `masked` keeps its tokens with
+    a zero mask, as TRL's `mask_truncated_completions` leaves it); (input_ids, attention_mask, logits_to_keep)."""
+    width_p = max(map(len, prompts))
+    width_c = max(max(map(len, completions)), 1)
+    ids, mask = [], []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids.append([PAD] * (width_p - len(p)) + p + c + [PAD] * (width_c - len(c)))
+        on = 0 if i in masked else 1
+        mask.append([0] * (width_p - len(p)) + [1] * len(p) + [on] * len(c) + [0] * (width_c - len(c)))
+    return torch.tensor(ids), torch.tensor(mask), width_c
+
+
+def plain(model, input_ids, attention_mask, keep, batch_size=None):
+    return GRPOTrainer._get_per_token_logps_and_entropies(
+        _TRL(), model, input_ids, attention_mask, keep, batch_size=batch_size, compute_entropy=True
+    )[:2]
+
+
+def shared(model, input_ids, attention_mask, keep, kind="bool"):
+    plan = plan_layout(input_ids, attention_mask, keep)
+    logps, entropies = packed_logps(model, plan, kind, torch.float32, True, _TRL.accelerator.autocast)
+    return logps, entropies, plan
+
+
+def _loss(logps, entropies, attention_mask, keep):
+    weights = torch.linspace(-1.0, 2.0, logps.numel()).reshape(logps.shape)
+    return (logps * weights).sum() + 0.3 * (entropies * attention_mask[:, -keep:]).sum()
+
+
+def assert_same(model, prompts, completions, masked=frozenset(), kind="bool", fewer=True):
+    """Log-probs, entropies and the gradients of a loss over both equal the plain path's."""
+    input_ids, attention_mask, keep = layout(prompts, completions, masked)
+    model.zero_grad(set_to_none=True)
+    expected_lp, expected_ent = plain(model, input_ids, attention_mask, keep)
+    _loss(expected_lp, expected_ent, attention_mask, keep).backward()
+    expected_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    got_lp, got_ent, plan = shared(model, input_ids, attention_mask, keep, kind)
+    _loss(got_lp, got_ent, attention_mask, keep).backward()
+    got_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.testing.assert_close(got_lp, expected_lp, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got_ent, expected_ent, rtol=RTOL, atol=ATOL)
+    assert (got_lp == 0).equal(expected_lp == 0)  # zero exactly where the plain path is (padding, masked rows)
+    assert got_grad.keys() == expected_grad.keys() and got_grad
+    for name in expected_grad:
+        torch.testing.assert_close(got_grad[name], expected_grad[name], rtol=RTOL, atol=1e-6, msg=name)
+    if fewer:
+        assert plan.tokens < int(attention_mask.sum())
+    return plan
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, VOCAB) for _ in range(n)]
+
+
+def group_rows_of_a_task(rng, rows=6, shared=40):
+    """Our envs' rows: one task's instruction and goal, then each step's own history, observation and reply."""
+    head = _tokens(rng, shared)
+    prompts = [head + _tokens(rng, rng.randrange(3, 15)) for _ in range(rows)]
+    completions = [_tokens(rng, rng.randrange(1, 8)) for _ in range(rows)]
+    return prompts, completions
+
+
+def tool_episodes(rng, episodes=3, turns=4):
+    """TRL's tool envs: turn k+1's prompt is turn k's prompt, its reply and the tool's answer."""
+    system = _tokens(rng, 12)
+    prompts, completions = [], []
+    for _ in range(episodes):
+        prompt = system + _tokens(rng, 2)  # the same task for a group, or another
+        for _ in range(turns):
+            reply = _tokens(rng, rng.randrange(1, 5))
+            prompts.append(prompt)
+            completions.append(reply)
+            prompt = prompt + reply + _tokens(rng, rng.randrange(1, 4))
+    order = list(range(len(prompts)))
+    rng.shuffle(order)  # TRL shuffles the generation's rows
+    return [prompts[i] for i in order], [completions[i] for i in order]
+
+
+def test_a_task_groups_rows_forward_their_shared_prompt_once():
+    rng = random.Random(0)
+    prompts, completions = group_rows_of_a_task(rng)
+    plan = assert_same(tiny_model(), prompts, completions)
+    assert plan.stats["clusters"] == 1
+    assert plan.tokens == 40 + sum(len(p) + len(c) - 40 for p, c in zip(prompts, completions))
+
+
+def test_a_tool_env_episode_is_forwarded_as_one_sequence():
+    rng = random.Random(1)
+    prompts, completions = tool_episodes(rng, episodes=3, turns=4)
+    plan = assert_same(tiny_model(), prompts, completions)
+    assert plan.stats["leaves"] == 3  # one sequence per episode, each turn's reply scored inside it
+
+
+def test_equal_first_turns_branch_at_a_scored_token():
+    """A group's first turn: the same prompt, different replies: the last prompt token predicts each
+    reply's first token, so the packed prefix stops one token short."""
+    rng = random.Random(2)
+    prompt = _tokens(rng, 20)
+    completions = [[5, 6, 7], [8, 6], [5, 9, 9, 9], [5, 6, 7]]  # two equal rows, two sharing their first token
+    assert_same(tiny_model(), [prompt] * 4, completions)
+
+
+def test_rows_sharing_nothing_padding_rows_and_empty_completions():
+    rng = random.Random(3)
+    prompts = [_tokens(rng, n) for n in (9, 3, 14, 6)] + [[PAD], [PAD]]
+    completions = [_tokens(rng, n) for n in (4, 7, 1, 3)] + [[], []]  # batching's padding rows
+    plan = assert_same(tiny_model(), prompts, completions, fewer=False)
+    assert plan.stats["clusters"] >= 4
+    empty_reply = group_rows_of_a_task(rng, rows=3)
+    empty_reply[1][1] = []  # a reply with no tokens
+    assert_same(tiny_model(), *empty_reply)
+
+
+def test_a_truncated_completion_masked_out_scores_nothing():
+    rng = random.Random(4)
+    prompts, completions = group_rows_of_a_task(rng, rows=4)
+    assert_same(tiny_model(), prompts, completions, masked={1, 2})
+
+
+def test_prompts_cut_in_the_middle_to_fit_the_context():
+    rng = random.Random(5)
+    prompts, completions = group_rows_of_a_task(rng, rows=4, shared=60)
+    marker = [3, 3, 3]
+    prompts = [fit_prompt_ids(p, 50, marker) if i % 2 else p for i, p in enumerate(prompts)]
+    assert any(marker[0] in p[:60] for p in prompts)
+    assert_same(tiny_model(), prompts, completions)
+
+
+def test_eager_attention_takes_the_additive_mask():
+    rng = random.Random(6)
+    assert_same(tiny_model(attn="eager"), *group_rows_of_a_task(rng), kind="additive")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_and_gradient_checkpointing(checkpointing):
+    rng = random.Random(7)
+    model = tiny_model(lora=True, checkpointing=checkpointing)
+    prompts, completions = tool_episodes(rng, episodes=2, turns=3)
+    more_prompts, more_completions = group_rows_of_a_task(rng, rows=3)
+    assert_same(model, prompts + more_prompts, completions + more_completions)
+    assert any("lora_" in n and p.grad is not None for n, p in model.named_parameters())
+
+
+def test_the_plan_maps_each_score_to_its_rows_own_next_token():
+    """Exact values on a hand-made case: a chain of two turns and a branch."""
+    input_ids, attention_mask, keep = layout([[7, 8, 9], [7, 8, 9, 4, 5, 6], [7, 8, 2]], [[4, 5], [3], [1]])
+    plan = plan_layout(input_ids, attention_mask, keep)
+    # row 0 (7 8 9 | 4 5) is inside row 1 (7 8 9 4 5 6 | 3); rows 1 and 2 share "7 8", then branch at a prompt token
+    assert plan.stats == {"rows": 3, "leaves": 2, "clusters": 1}
+    assert plan.input_ids.tolist() == [[7, 8, 2, 1, 9, 4, 5, 6, 3]]
+    assert plan.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 5, 6]]
+    assert plan.segment.tolist() == [[0, 0, 1, 1, 2, 2, 2, 2, 2]]
+    # "9" predicts 4 and "4" predicts 5 (row 0), "6" predicts 3 (row 1), "2" predicts 1 (row 2)
+    assert plan.shift_labels.tolist() == [[-100, -100, 1, -100, 4, 5, -100, 3, -100]]
+    flat = plan.index.tolist()
+    assert flat[0] == [4, 5] and flat[1][0] == 7 and flat[2][0] == 2
+    assert plan.valid.tolist() == [[True, True], [True, False], [True, False]]
+
+
+def test_old_logprob_pass_chunks_stay_within_the_plain_chunk():
+    rng = random.Random(8)
+    prompts, completions = tool_episodes(rng, episodes=4, turns=5)
+    _, attention_mask, keep = layout(prompts, completions)
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    budget = 4 * max(map(len, sequences))
+    runs = group_rows(sequences, budget)
+    assert sorted(r for run in runs for r in run) == list(range(len(sequences)))
+    assert len(runs) < len(sequences) / 4  # whole episodes in a forward, not 4 rows
+    assert len(group_rows(sequences, budget, count=len(runs) + 3)) == len(runs) + 3  # DDP: as many as the others
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), episodes=st.integers(1, 3), turns=st.integers(1, 4), groups=st.integers(0, 4),
+       masked=st.sets(st.integers(0, 12), max_size=2))
+def test_any_mix_of_rows_equals_the_plain_path(seed, episodes, turns, groups, masked):
+    rng = random.Random(seed)
+    prompts, completions = tool_episodes(rng, episodes, turns)
+    if groups:
+        more = group_rows_of_a_task(rng, rows=groups, shared=rng.randrange(1, 20))
+        prompts, completions = prompts + more[0], completions + more[1]
+    if rng.random() < 0.3:
+        completions[0] = []
+    assert_same(_MODEL, prompts, completions, masked=masked, fewer=False)
+
+
+_MODEL = tiny_model(seed=1)
