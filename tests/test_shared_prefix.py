@@ -240,3 +240,114 @@ def test_any_mix_of_rows_equals_the_plain_path(seed, episodes, turns, groups, ma
 
 
 _MODEL = tiny_model(seed=1)
+
+
+# ---------------------------------------------------------------------------------------------- in the trainer
+
+
+def _trainer(tmp_path, shared: bool, model=None, peft_config=None, **overrides):
+    from bipace_trainer import BiPACETrainer
+    from tests.trainer.tiny_setup import make_model, make_tokenizer, tiny_args
+
+    tokenizer = _TOKENIZER.get("tiny") or _TOKENIZER.setdefault("tiny", make_tokenizer())
+    args = tiny_args(tmp_path / ("on" if shared else "off"), shared_prefix=shared, **{"beta": 0.0, **overrides})
+    trainer = BiPACETrainer(model=model or make_model(tokenizer), args=args, processing_class=tokenizer,
+                            peft_config=peft_config)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by TRL's training loop
+    return trainer
+
+
+_TOKENIZER: dict = {}
+
+
+def _micro_batch(seed: int = 9):
+    """A micro-batch of a task group's steps and two tool-env episodes, as `batching.training_batch` lays it out."""
+    rng = random.Random(seed)
+    prompts, completions = group_rows_of_a_task(rng, rows=5, shared=30)
+    more = tool_episodes(rng, episodes=2, turns=4)
+    prompts, completions = prompts + more[0] + [[PAD]], completions + more[1] + [[]]  # and one padding row
+    input_ids, attention_mask, keep = layout(prompts, completions, masked={2})
+    return {
+        "prompt_ids": input_ids[:, :-keep], "prompt_mask": attention_mask[:, :-keep],
+        "completion_ids": input_ids[:, -keep:], "completion_mask": attention_mask[:, -keep:],
+        "old_per_token_logps": None, "advantages": torch.linspace(-1, 1, len(prompts)),
+        "num_items_in_batch": attention_mask[:, -keep:].sum(),
+    }
+
+
+def _step(trainer, inputs):
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    trainer.accelerator.backward(loss)
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
+def test_the_trainers_loss_and_gradient_equal_the_plain_paths(tmp_path, loss_type):
+    inputs = _micro_batch()
+    off_loss, off_grad = _step(_trainer(tmp_path, False, loss_type=loss_type, per_device_train_batch_size=4), inputs)
+    trainer = _trainer(tmp_path, True, loss_type=loss_type, per_device_train_batch_size=4)
+    on_loss, on_grad = _step(trainer, inputs)
+    assert trainer._shared_prefix.enabled and trainer._shared_prefix.checked
+    stats = trainer._shared_prefix.stats
+    assert stats["tokens_shared"] < 0.75 * stats["tokens_plain"]
+    assert on_loss == pytest.approx(off_loss, rel=1e-5, abs=1e-7)
+    assert on_grad.keys() == off_grad.keys() and on_grad
+    for name in off_grad:
+        torch.testing.assert_close(on_grad[name], off_grad[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
+    """The old-logprob pass and the reference pass (LoRA: the adapter disabled) give the plain values."""
+    from peft import LoraConfig
+
+    from bipace_trainer.rollout.batching import reference_logps
+
+    inputs = _micro_batch()
+    values = []
+    for shared in (True, False):
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+        trainer = _trainer(tmp_path, shared, beta=0.04, per_device_train_batch_size=2, peft_config=lora)
+        out, _ = reference_logps(trainer, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                 inputs["completion_mask"], force_old=True)
+        values.append(out)
+    assert values[0].keys() == values[1].keys() == {"old_per_token_logps", "ref_per_token_logps"}
+    for key in values[1]:
+        torch.testing.assert_close(values[0][key], values[1][key], rtol=RTOL, atol=ATOL)
+
+
+def _causal_only(module, query, key, value, attention_mask, **kwargs):
+    """Attention that ignores any mask but the causal one (as a kernel without custom masks would)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(tmp_path, caplog):
+    from transformers import AttentionInterface
+
+    from bipace_trainer.shared_prefix import SharedPrefixForward
+    from tests.trainer.tiny_setup import make_model, make_tokenizer
+
+    AttentionInterface.register("causal_only", _causal_only)
+    tokenizer = _TOKENIZER.get("tiny") or _TOKENIZER.setdefault("tiny", make_tokenizer())
+    model = make_model(tokenizer)
+    model.config._attn_implementation = "causal_only"
+    inputs = _micro_batch()
+    with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
+        trainer = _trainer(tmp_path, True, model=model, per_device_train_batch_size=4)
+    assert trainer._shared_prefix is None and "takes no custom mask" in caplog.text  # off, said once
+    off_loss, off_grad = _step(trainer, inputs)
+
+    trainer._shared_prefix = SharedPrefixForward(trainer, "bool")  # as if the model claimed SDPA
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
+        _step(trainer, inputs)
+    assert not trainer._shared_prefix.enabled and "differ from the plain path's" in caplog.text
+    # from then on the plain path, pieces included (this attention also reads the padding: the same pieces matter)
+    loss, grad = _step(trainer, inputs)
+    assert loss == pytest.approx(off_loss, rel=1e-6)
+    for name in off_grad:
+        torch.testing.assert_close(grad[name], off_grad[name], rtol=1e-5, atol=1e-7)
