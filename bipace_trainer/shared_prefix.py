@@ -148,27 +148,39 @@ def _absorb(sequences: list[list[int]]) -> tuple[list[int], list[int]]:
     return leaves, carrier
 
 
+def _partition(leaves: list[int], sequences, min_shared: int) -> list[tuple[int, int, int]]:
+    """Split the sorted leaves into consecutive clusters that forward the fewest tokens: a cluster of k
+    leaves sharing P tokens saves (k-1)·P. Dynamic programming over where the last cluster starts (a
+    group's long task prefix beats the short system text every group shares). Returns (start, end, P)."""
+    count = len(leaves)
+    lcp = [_common_prefix(sequences[leaves[i]], sequences[leaves[i + 1]]) for i in range(count - 1)]
+    best, start_of, shared_of = [0] * (count + 1), [0] * (count + 1), [0] * (count + 1)
+    for end in range(1, count + 1):
+        best[end], start_of[end], shared_of[end] = best[end - 1], end - 1, len(sequences[leaves[end - 1]])
+        shared = math.inf
+        for begin in range(end - 2, -1, -1):  # the cluster leaves[begin:end]
+            shared = min(shared, lcp[begin])
+            if shared < min_shared:
+                break
+            if best[begin] + (end - begin - 1) * shared > best[end]:
+                best[end], start_of[end], shared_of[end] = best[begin] + (end - begin - 1) * shared, begin, shared
+    spans, end = [], count
+    while end > 0:
+        spans.append((start_of[end], end, shared_of[end]))
+        end = start_of[end]
+    return spans[::-1]
+
+
 def _clusters(leaves: list[int], sequences, scored: dict[int, set[int]], min_shared: int) -> list[_Cluster]:
-    """Consecutive (sorted) leaves sharing at least `min_shared` tokens form a cluster; its prefix stops
-    one token short of where they branch if some leaf scores the token after it (its label differs)."""
-    clusters: list[_Cluster] = []
-    for i, leaf in enumerate(leaves):
-        if clusters:
-            current = clusters[-1]
-            shared = _common_prefix(sequences[leaves[current.leaves[-1]]], sequences[leaf])
-            shared = min(shared, current.prefix)
-            if shared >= min_shared:
-                current.prefix = shared
-                current.leaves.append(i)
-                continue
-        clusters.append(_Cluster(prefix=len(sequences[leaf]), leaves=[i]))
-    for cluster in clusters:
-        if len(cluster.leaves) == 1:
-            cluster.prefix = len(sequences[leaves[cluster.leaves[0]]])
-            continue
+    """The packed rows (`_partition`); a cluster's prefix stops one token short of where its leaves
+    branch if some leaf scores the token after it (that position's label differs between them)."""
+    clusters = []
+    for begin, end, shared in _partition(leaves, sequences, min_shared):
+        members = list(range(begin, end))
         # a prefix position p predicts token p+1: the same for every leaf unless p+1 == prefix (they branch)
-        if any(cluster.prefix in scored[leaves[i]] for i in cluster.leaves):
-            cluster.prefix -= 1
+        if len(members) > 1 and any(shared in scored[leaves[i]] for i in members):
+            shared -= 1
+        clusters.append(_Cluster(prefix=shared, leaves=members))
     return clusters
 
 
@@ -269,13 +281,10 @@ def packed_logps(model, plan: Plan, mask_kind: str, dtype: torch.dtype, compute_
 
 
 def _cost(sequences: list[list[int]]) -> int:
-    """Packed tokens of rows forwarded together (absorption and one shared prefix), for sizing forwards."""
+    """Packed tokens of rows forwarded together (`_absorb`, `_partition`), for sizing forwards."""
     leaves, _ = _absorb(sequences)
     total = sum(len(sequences[leaf]) for leaf in leaves)
-    if len(leaves) > 1:
-        shared = min(_common_prefix(sequences[a], sequences[b]) for a, b in zip(leaves, leaves[1:]))
-        total -= (len(leaves) - 1) * shared
-    return total
+    return total - sum((end - begin - 1) * shared for begin, end, shared in _partition(leaves, sequences, 1))
 
 
 def group_rows(sequences: list[list[int]], budget: int, count: int | None = None) -> list[list[int]]:

@@ -22,7 +22,9 @@ DeepSpeed plumbing):
 - `_tokenize_prompts`: each prompt bounded by the model's context.
 - `compute_loss`: a generation in which no sample on any rank has a non-zero advantage
   skips its update; a micro-batch runs in pieces of at most `per_device_train_batch_size`
-  rows (`micro_batches`).
+  rows (`micro_batches`; with `shared_prefix`, cut in token order by `shared_prefix.py`).
+- `_get_per_token_logps_and_entropies`: TRL's values, with each shared token prefix forwarded
+  once (`shared_prefix.py`; the update and the old and reference log-prob passes).
 - `training_step`: a non-finite loss stops the run before the optimizer applies it.
 - `train`: SIGTERM saves and stops (`callbacks`), a run in which every episode failed
   raises, and every run leaves the project's model card (`model_card`).

@@ -140,6 +140,19 @@ def test_a_task_groups_rows_forward_their_shared_prompt_once():
     assert plan.tokens == 40 + sum(len(p) + len(c) - 40 for p, c in zip(prompts, completions))
 
 
+def test_two_task_groups_each_share_their_own_task_not_just_the_common_system_text():
+    rng = random.Random(10)
+    system = _tokens(rng, 8)
+    prompts, completions = [], []
+    for _ in range(2):
+        group = group_rows_of_a_task(rng, rows=4, shared=30)
+        prompts += [system + p for p in group[0]]
+        completions += group[1]
+    plan = assert_same(tiny_model(), prompts, completions)
+    assert plan.stats["clusters"] == 2
+    assert plan.tokens == 2 * 38 + sum(len(p) + len(c) - 38 for p, c in zip(prompts, completions))
+
+
 def test_a_tool_env_episode_is_forwarded_as_one_sequence():
     rng = random.Random(1)
     prompts, completions = tool_episodes(rng, episodes=3, turns=4)
