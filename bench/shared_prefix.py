@@ -143,7 +143,7 @@ def update(trainer, inputs, shared) -> dict:
     else:
         tokens = sum(p["prompt_ids"].numel() + p["completion_ids"].numel()
                      for p in split_rows(inputs, trainer.args.per_device_train_batch_size))
-    return {"seconds": seconds, "peak_mb": (peak[0] - base) / 2**20, "tokens": tokens, "loss": float(loss)}
+    return {"seconds": seconds, "peak_mb": (peak[0] - base) / 2**20, "tokens": tokens, "loss": float(loss.detach())}
 
 
 def machine() -> dict:

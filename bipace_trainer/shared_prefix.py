@@ -436,13 +436,12 @@ def _unsort(parts, rows: int, compute_entropy: bool) -> tuple[torch.Tensor, torc
 
 def off_reason(trainer) -> str | None:
     """Why the shared-prefix forward cannot run for this trainer, or None."""
-    from .rollout.collector import _sharded_forward
-
     config = trainer.accelerator.unwrap_model(trainer.model).config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in _MASKED_ATTENTION:
         return (f"attention implementation {implementation!r} takes no custom mask (use sdpa or eager, "
                 "attn_implementation in model_init_kwargs)")
-    if _sharded_forward(trainer):
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if (plugin is not None and plugin.zero_stage == 3) or getattr(trainer, "is_fsdp_enabled", False):
         return "ZeRO-3 and FSDP are not verified equal to the plain path (docs/performance.md)"
     return None

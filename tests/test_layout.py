@@ -29,13 +29,16 @@ ALLOWED = {
     "rollout": {"advantages"},
     "reports": {"models"},
     "run": {"rollout", "advantages", "reports", "models"},
-    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics", "memory"},
+    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics", "memory",
+            "shared_prefix"},
     "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
     "micro_batches": set(),
     "trl_metrics": set(),
     "memory": set(),
-    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory"},
+    "shared_prefix": set(),
+    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory",
+                "shared_prefix"},
     "_old_paths": set(),
     "__init__": {"config", "trainer", "_old_paths"},
 }

@@ -62,7 +62,7 @@ MOVES = {
     "model_card": "reports.model_card",
     "evaluate": "cli.evaluate",
 }
-STAYS = {"__init__", "_old_paths", "config", "trainer", "models", "micro_batches", "trl_metrics", "memory"}  # the trainer and its own helpers
+STAYS = {"__init__", "_old_paths", "config", "trainer", "models", "micro_batches", "trl_metrics", "memory", "shared_prefix"}  # the trainer and its own helpers
 
 SUBPACKAGE_DOCS = {
     "rollout": '''"""Playing episodes, and what each played step becomes: everything between an env and TRL's batch.
