@@ -64,6 +64,8 @@ __all__ = ["SharedPrefixForward", "Plan", "plan_layout", "packed_logps", "plain_
 
 logger = logging.getLogger(__name__)
 
+# A packed position's segment is cluster × _BLOCK + (0 for the cluster's prefix, k for its k-th suffix); -1 pads.
+_BLOCK = 1 << 20
 # Attention implementations that take a custom (batch, 1, query, key) mask; anything else runs the plain path.
 _MASKED_ATTENTION = {"sdpa": "bool", "eager": "additive"}
 
@@ -81,7 +83,8 @@ class Plan:
     """How a call's B rows are forwarded.
 
     input_ids, position_ids, shift_labels: (C, N) packed rows (C clusters, N the longest);
-    segment: (C, N) 0 for the prefix, k ≥ 1 for suffix k, -1 for padding;
+    segment: (C, N) cluster × `_BLOCK` + (0 for its prefix, k for its suffix k), -1 for padding (several
+        clusters share a packed row where they fit: `_bins`);
     index: (B, K) flat index into the (C, N) outputs of each completion column's score; valid: (B, K).
     """
 
@@ -202,47 +205,60 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
                  input_ids.device)
 
 
+def _bins(lengths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """First-fit decreasing of the clusters into packed rows as wide as the longest cluster, so that short
+    clusters share a row instead of being padded to it. Returns (width, (row, offset) per cluster)."""
+    width = max(lengths)
+    free: list[int] = []
+    placed = [(0, 0)] * len(lengths)
+    for c in sorted(range(len(lengths)), key=lambda c: -lengths[c]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[c]), None)
+        if row is None:
+            row = len(free)
+            free.append(width)
+        placed[c] = (row, width - free[row])
+        free[row] -= lengths[c]
+    return width, placed
+
+
 def _pack(sequences, prompt_lengths, leaves, carrier, scored, clusters, logits_to_keep, device) -> Plan:
-    """Lay the clusters out as packed rows and map each row's completion columns into them."""
-    width = max(c.prefix + sum(len(sequences[leaves[i]]) - c.prefix for i in c.leaves) for c in clusters)
-    count = len(clusters)
-    ids = [[0] * width for _ in range(count)]
-    positions = [[0] * width for _ in range(count)]
-    labels = [[-100] * width for _ in range(count)]
-    segment = [[-1] * width for _ in range(count)]
-    where: dict[int, tuple[int, int, int]] = {}  # leaf → (cluster, packed start of its suffix, prefix length)
-    tokens = 0
+    """Lay the clusters out in packed rows (`_bins`) and map each row's completion columns into them."""
+    lengths = [c.prefix + sum(len(sequences[leaves[i]]) - c.prefix for i in c.leaves) for c in clusters]
+    width, placed = _bins(lengths)
+    count = 1 + max(row for row, _ in placed)
+    ids, positions = [[0] * width for _ in range(count)], [[0] * width for _ in range(count)]
+    labels, segment = [[-100] * width for _ in range(count)], [[-1] * width for _ in range(count)]
+    where: dict[int, tuple[int, int, int, int]] = {}  # leaf → (row, cluster's offset, suffix start, prefix length)
     for c, cluster in enumerate(clusters):
-        first = sequences[leaves[cluster.leaves[0]]]
-        ids[c][: cluster.prefix] = first[: cluster.prefix]
-        positions[c][: cluster.prefix] = range(cluster.prefix)
-        segment[c][: cluster.prefix] = [0] * cluster.prefix
+        row, offset = placed[c]
+        first, block = sequences[leaves[cluster.leaves[0]]], c * _BLOCK
+        ids[row][offset : offset + cluster.prefix] = first[: cluster.prefix]
+        positions[row][offset : offset + cluster.prefix] = range(cluster.prefix)
+        segment[row][offset : offset + cluster.prefix] = [block] * cluster.prefix
         cursor = cluster.prefix
         for k, i in enumerate(cluster.leaves, start=1):
             leaf = leaves[i]
             seq, suffix = sequences[leaf], len(sequences[leaf]) - cluster.prefix
-            ids[c][cursor : cursor + suffix] = seq[cluster.prefix :]
-            positions[c][cursor : cursor + suffix] = range(cluster.prefix, len(seq))
-            segment[c][cursor : cursor + suffix] = [k] * suffix
-            where[leaf] = (c, cursor, cluster.prefix)
+            ids[row][offset + cursor : offset + cursor + suffix] = seq[cluster.prefix :]
+            positions[row][offset + cursor : offset + cursor + suffix] = range(cluster.prefix, len(seq))
+            segment[row][offset + cursor : offset + cursor + suffix] = [block + k] * suffix
+            where[leaf] = (row, offset, cursor, cluster.prefix)
             for token in scored[leaf]:  # token t is scored at the position of token t-1
-                labels[c][_packed(token - 1, cursor, cluster.prefix)] = seq[token]
+                labels[row][offset + _packed(token - 1, cursor, cluster.prefix)] = seq[token]
             cursor += suffix
-        tokens += cursor
     rows, keep = len(sequences), logits_to_keep
-    index = [[0] * keep for _ in range(rows)]
-    valid = [[False] * keep for _ in range(rows)]
-    for row in range(rows):
-        c, start, prefix = where[carrier[row]]
-        for j in range(min(len(sequences[row]) - prompt_lengths[row], keep)):
-            index[row][j] = c * width + _packed(prompt_lengths[row] + j - 1, start, prefix)
-            valid[row][j] = True
+    index, valid = [[0] * keep for _ in range(rows)], [[False] * keep for _ in range(rows)]
+    for r in range(rows):
+        row, offset, start, prefix = where[carrier[r]]
+        for j in range(min(len(sequences[r]) - prompt_lengths[r], keep)):
+            index[r][j] = row * width + offset + _packed(prompt_lengths[r] + j - 1, start, prefix)
+            valid[r][j] = True
     as_long = dict(dtype=torch.long, device=device)
     return Plan(
         input_ids=torch.tensor(ids, **as_long), position_ids=torch.tensor(positions, **as_long),
         shift_labels=torch.tensor(labels, **as_long), segment=torch.tensor(segment, **as_long),
         index=torch.tensor(index, **as_long), valid=torch.tensor(valid, dtype=torch.bool, device=device),
-        tokens=tokens, stats={"rows": rows, "leaves": len(leaves), "clusters": count},
+        tokens=sum(lengths), stats={"rows": rows, "leaves": len(leaves), "clusters": len(clusters)},
     )
 
 
@@ -252,12 +268,13 @@ def _packed(token: int, suffix_start: int, prefix: int) -> int:
 
 
 def attention_mask_4d(segment: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """(C, 1, N, N) mask of packed rows: a token sees the prefix's and its own suffix's earlier tokens;
+    """(C, 1, N, N) mask of packed rows: a token sees its cluster's prefix's and its own suffix's earlier tokens;
     padding sees itself only (a query row that sees nothing would give NaN and poison the backward)."""
     n = segment.size(1)
     query, key = segment.unsqueeze(2), segment.unsqueeze(1)
     causal = torch.ones(n, n, dtype=torch.bool, device=segment.device).tril()
-    allowed = causal & (query >= 0) & (key >= 0) & ((key == 0) | (key == query))
+    same_cluster = (query // _BLOCK) == (key // _BLOCK)
+    allowed = causal & (query >= 0) & (key >= 0) & same_cluster & ((key % _BLOCK == 0) | (key == query))
     allowed |= torch.eye(n, dtype=torch.bool, device=segment.device)
     allowed = allowed.unsqueeze(1)
     if kind == "bool":

@@ -175,6 +175,8 @@ def test_rows_sharing_nothing_padding_rows_and_empty_completions():
     completions = [_tokens(rng, n) for n in (4, 7, 1, 3)] + [[], []]  # batching's padding rows
     plan = assert_same(tiny_model(), prompts, completions, fewer=False)
     assert plan.stats["clusters"] >= 4
+    # short clusters share a packed row (and must not see each other) instead of each padded to the longest
+    assert plan.input_ids.size(0) < plan.stats["clusters"] and plan.input_ids.size(1) == 14 + 1
     empty_reply = group_rows_of_a_task(rng, rows=3)
     empty_reply[1][1] = []  # a reply with no tokens
     assert_same(tiny_model(), *empty_reply)
