@@ -182,6 +182,14 @@ def test_rows_sharing_nothing_padding_rows_and_empty_completions():
     assert_same(tiny_model(), *empty_reply)
 
 
+def test_short_unrelated_rows_share_a_packed_row_without_seeing_each_other():
+    rng = random.Random(11)
+    prompts = [[10] + _tokens(rng, 8), [20] + _tokens(rng, 2), [30] + _tokens(rng, 2)]
+    completions = [_tokens(rng, 3), _tokens(rng, 2), _tokens(rng, 3)]
+    plan = assert_same(tiny_model(), prompts, completions, fewer=False)
+    assert plan.stats["clusters"] == 3 and plan.input_ids.shape == (2, 12)  # rows of 5 and 6 tokens side by side
+
+
 def test_a_truncated_completion_masked_out_scores_nothing():
     rng = random.Random(4)
     prompts, completions = group_rows_of_a_task(rng, rows=4)
