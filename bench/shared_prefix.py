@@ -173,7 +173,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     cli = parser.parse_args(argv)
+    from bipace_trainer import memory
+
     trainer = make_trainer(tempfile.mkdtemp(prefix="bench-shared-prefix-"))
+    with memory.bound_cpu_memory(trainer.accelerator.device):  # as `BiPACETrainer.train` runs the update
+        return run(trainer, cli)
+
+
+def run(trainer, cli) -> dict:
     shared = trainer._shared_prefix
     assert shared is not None, "shared_prefix is off for this model (see the log)"
     made = batches(trainer, cli.workloads)
