@@ -14,10 +14,11 @@ importance ratio and metrics run unchanged on them.
 sequence is a prefix of another row's (turn k of a chat episode inside turn k+1's prompt, or two
 equal rows) is not forwarded at all: attention is causal, so its log-probs are the longer row's at
 the same positions (*absorbed*). The remaining rows (*leaves*) are sorted; consecutive leaves that
-share a prefix form a *cluster*, forwarded as one packed row::
+share a prefix form a *cluster* (chosen to forward the fewest tokens: `_partition`), laid out as::
 
     [ shared prefix (positions 0..P-1) | suffix 1 (P..L1-1) | suffix 2 (P..L2-1) | ... ]
 
+(clusters shorter than the longest share a packed row, side by side and masked from each other: `_bins`)
 with each suffix attending to the prefix and causally to itself (a boolean mask for SDPA, an
 additive one for eager attention) and carrying its own position ids. Labels are passed pre-shifted
 (`shift_labels` of TRL's fused LM head), so each position is scored against the next token *of its
