@@ -48,3 +48,10 @@ def test_the_main_job_filters_textcraft_goals_only_for_textcraft():
     assert parse(["--env", "tiny"])[1].env_kwargs == {} and parse(["--env_name=tiny"])[1].env_kwargs == {}
     assert parse(["--env_kwargs", '{"max_expert_steps": 6}'])[1].env_kwargs == {"max_expert_steps": 6}
     assert parse(["--config", "recipes/textcraft_qwen2.5-1.5b_gigpo.yaml", "--use_cpu", "true"])[1].env_kwargs == {}
+
+
+def test_the_readme_reads_in_two_minutes():
+    """At most 120 lines, and no dates: measured figures live on the docs pages with their date and machine."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 120
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\b\d\d-\d\d's\b", readme)
