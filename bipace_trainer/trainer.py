@@ -85,6 +85,32 @@ __all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward",
 logger = logging.getLogger(__name__)
 
 
+def _plain_prompts(args: BiPACEConfig, reward_funcs, trl_envs: bool, train_dataset) -> bool:
+    """Whether the trainer gets GRPOTrainer's plain case, `reward_funcs` on a prompt dataset with no
+    env, no tools and `env_name` unset (each prompt a one-step episode), after the checks of what
+    the arguments ask for; a run on `env_name` has its env checked here."""
+    plain = not trl_envs and reward_funcs is not None and not args.env_name_set
+    if not trl_envs and not plain:
+        args.require_env()
+        if reward_funcs is not None:
+            raise ValueError(
+                f"reward_funcs score TRL's environments or a prompt dataset; env_name={args.env_name!r} gives its "
+                "own rewards. Drop reward_funcs (or env_name, to train on the dataset's prompts)."
+            )
+        if args.reward_weights is not None:
+            raise ValueError(
+                f"reward_weights weigh reward_funcs, and env_name={args.env_name!r} gives one reward of its own, "
+                "trained as it is; drop reward_weights (scale the reward inside the env if you must)."
+            )
+    if plain and (train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ["prompt"])):
+        raise ValueError(
+            "reward_funcs without environment_factory, tools or env_name train on train_dataset's prompts, as "
+            "GRPOTrainer does: pass a train_dataset with a 'prompt' column."
+        )
+    _check_multi_turn_reward_settings(args, one_step=plain)
+    return plain
+
+
 def _check_multi_turn_reward_settings(args: BiPACEConfig, one_step: bool) -> None:
     """TRL's reward settings that have no step-level form: honoured on one-step episodes (plain prompts,
     `trl_advantages`), refused on multi-turn ones (`config.GRPO_FIELDS`)."""
@@ -187,28 +213,8 @@ class BiPACETrainer(GRPOTrainer):
                 f"args must be a BiPACEConfig, got {type(args).__name__}: BiPACEConfig takes every GRPOConfig "
                 "argument, so build it with the same arguments."
             )
-        trl_envs = environment_factory is not None or bool(tools)
-        # reward_funcs on a prompt dataset, no env, no tools: plain GRPO, each prompt a one-step episode
-        plain_prompts = not trl_envs and reward_funcs is not None and not args.env_name_set
-        if not trl_envs and not plain_prompts:
-            args.require_env()
-            if reward_funcs is not None:
-                raise ValueError(
-                    f"reward_funcs score TRL's environments or a prompt dataset; env_name={args.env_name!r} gives its "
-                    "own rewards. Drop reward_funcs (or env_name, to train on the dataset's prompts)."
-                )
-            if args.reward_weights is not None:
-                raise ValueError(
-                    f"reward_weights weigh reward_funcs, and env_name={args.env_name!r} gives one reward of its own, "
-                    "trained as it is; drop reward_weights (scale the reward inside the env if you must)."
-                )
-        if plain_prompts and (train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ["prompt"])):
-            raise ValueError(
-                "reward_funcs without environment_factory, tools or env_name train on train_dataset's prompts, as "
-                "GRPOTrainer does: pass a train_dataset with a 'prompt' column."
-            )
-        trl_envs = trl_envs or plain_prompts  # played through TRL's reward_funcs (`ToolEnvSource`)
-        _check_multi_turn_reward_settings(args, one_step=plain_prompts)
+        plain_prompts = _plain_prompts(args, reward_funcs, environment_factory is not None or bool(tools), train_dataset)
+        trl_envs = environment_factory is not None or bool(tools) or plain_prompts  # scored by TRL's reward_funcs
         check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         if model is None or isinstance(model, str):
             model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
@@ -241,6 +247,8 @@ class BiPACETrainer(GRPOTrainer):
             args.estimator = dataclasses.replace(
                 args.estimator, partition="none", baseline=None, w_ep=1.0, w_step=0.0, context_levels=0
             )
+            logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
+                        "has no step term to add where the prompt is the only state).")
         self.estimator = StepAdvantageEstimator(args.estimator)
         self._cap_turns(args)
         needs_hidden = "hidden" in args.estimator.rollout_needs
