@@ -312,14 +312,14 @@ class BiPACETrainer(GRPOTrainer):
     # ------------------------------------------------------------------ generation (the collector calls these)
 
     def _tokenize_prompts(self, prompts: list):
-        """TRL's tokenization, then each prompt bounded by the model's context minus
-        `max_completion_length` (`prompting.fit_prompt_ids`): past it a learned-position
-        model crashes and a RoPE model silently degrades."""
+        """TRL's tokenization, then each prompt bounded by the model's context minus one reply's
+        cap (`max_turn_length`, else `max_completion_length`; `prompting.fit_prompt_ids`): past it a
+        learned-position model crashes and a RoPE model silently degrades."""
         prompt_ids, *rest = super()._tokenize_prompts(prompts)
         context = getattr(self.accelerator.unwrap_model(self.model).config.get_text_config(), "max_position_embeddings", None)
         if not context:
             return (prompt_ids, *rest)
-        limit = max(context - self.args.max_completion_length, 16)
+        limit = max(context - (self.args.max_turn_length or self.args.max_completion_length), 16)
         if all(len(ids) <= limit for ids in prompt_ids):
             return (prompt_ids, *rest)
         marker = self._tokenizer.encode("\n[... cut to fit the context ...]\n", add_special_tokens=False)

@@ -583,3 +583,21 @@ def test_a_skipped_batch_logs_trls_loss_metrics_as_numbers(thermostat_policy_dir
         assert all(entry[f"clip_ratio/{n}"] == 0.0 for n in ("low_mean", "high_mean", "region_mean"))  # zero advantages
         assert entry["entropy"] > 0
     assert all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())  # still no update
+
+
+@pytest.mark.slow
+def test_our_envs_take_trls_eval_dataset_and_keep_their_per_reply_cap(warm_policy, tmp_path):
+    from bipace_trainer import task_dataset
+    from tests.trainer.tiny_setup import TINY_ENV_KWARGS, tiny_args
+
+    model, tokenizer = warm_policy
+    args = tiny_args(tmp_path, preset="gigpo", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4,
+                     evaluate_before_training=False)
+    trainer = BiPACETrainer(model, args=args, processing_class=tokenizer,
+                            eval_dataset=task_dataset("tiny", "valid", TINY_ENV_KWARGS, limit=2))
+    assert trainer.generation_config.max_new_tokens == args.max_completion_length == 16  # max_turn_length unset
+    trainer.train()
+    trainer.close_envs()
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(evals) == 1 and math.isfinite(evals[0]["eval_loss"])
+    assert {"eval_episode/success_rate", "eval_reward", "eval_rewards/env_reward/mean", "eval_advantage/std"} <= set(evals[0])
