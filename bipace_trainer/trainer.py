@@ -569,8 +569,10 @@ class BiPACETrainer(GRPOTrainer):
         # largest count over ranks), so collective calls inside forward passes stay aligned.
         weights = piece_weights(pieces, self.loss_type)
         done = torch.zeros((), device=self.accelerator.device)
-        if not torch.is_grad_enabled():  # TRL's prediction_step: the loss only
-            return sum((super().compute_loss(model, p) * w for p, w in zip(pieces, weights)), done)
+        if not torch.is_grad_enabled():  # TRL's prediction_step, or a skipped update's metrics: the loss only
+            for piece, weight in zip(pieces, weights):  # a loop: zero-argument super() fails inside a generator
+                done = done + super().compute_loss(model, piece) * weight
+            return done
         for piece, weight in zip(pieces[:-1], weights[:-1]):
             with self.accelerator.no_sync(model):
                 loss = super().compute_loss(model, piece) * weight

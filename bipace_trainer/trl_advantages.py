@@ -46,7 +46,8 @@ def grpo_advantages(
         raise ValueError(f"scale_rewards={scale_rewards!r} must be one of {SCALE_REWARDS}.")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"multi_objective_aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
-    rewards_per_func = rewards_per_func.float()
+    if not rewards_per_func.is_floating_point():
+        rewards_per_func = rewards_per_func.float()  # TRL's are float32; a float64 table stays float64
     weights = weights.to(rewards_per_func)
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     if aggregation == "sum_then_normalize":
