@@ -65,9 +65,7 @@ from .micro_batches import piece_weights, split_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import model_card
 from .rollout.batching import training_batch
-from .rollout.collector import (  # noqa: F401
-    SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, _sharded_forward, env_reward, task_dataset,
-)
+from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, _sharded_forward, env_reward, task_dataset
 from .rollout.hidden import clamp_layer
 from .rollout.loop import Rollout, TaskRef
 from .rollout.overlap import Prefetched, RolloutOverlap
@@ -75,12 +73,11 @@ from .rollout.prompting import fit_prompt_ids
 from .rollout.tool_envs import check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
-from .run.checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
-from .run.evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
+from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
 from .trl_advantages import AGGREGATIONS, grpo_advantages
 from .trl_metrics import episode_token_count, summarise_episodes, trl_metrics
 
-__all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
+__all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +238,6 @@ class BiPACETrainer(GRPOTrainer):
             tools=tools,
             environment_factory=environment_factory,
         )
-        memory.bound_cpu_memory(self.accelerator.device)  # log-prob tiles, freed memory: docs/memory.md
         self.one_step = plain_prompts
         if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`trl_advantages`)
             args.estimator = dataclasses.replace(
@@ -332,15 +328,17 @@ class BiPACETrainer(GRPOTrainer):
         run in which every episode failed raises instead of reporting success."""
         if self.is_world_process_zero():
             run_dir.clean_stale_files(self.args.output_dir)  # a killed dump's .partial, the user's README.md
-        try:
-            output = super().train(*args, **kwargs)
-        except TrainingInterrupted as stop:
-            logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
-            return None
-        finally:
-            self._graceful_stop.restore_handler()
-            if self._overlap is not None:
-                self._overlap.close()  # a prefetched generation past the run's last step is not trained on
+        # TRL's fused LM head in small tiles on a CPU, for this run only (undone on exit: `trl_compat`)
+        with memory.bound_cpu_memory(self.accelerator.device):
+            try:
+                output = super().train(*args, **kwargs)
+            except TrainingInterrupted as stop:
+                logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
+                return None
+            finally:
+                self._graceful_stop.restore_handler()
+                if self._overlap is not None:
+                    self._overlap.close()  # a prefetched generation past the run's last step is not trained on
         collector = self.collector
         if collector.train_generations and not collector.healthy_generations and not self.interrupted:
             raise RuntimeError(collector.every_env_failed(f"all {collector.train_generations} generations of the run"))

@@ -40,12 +40,13 @@ from trl.trainer.utils import pad
 from envs.base import resolve_env_class, stratified_subset
 from envs.vector import VectorEnv
 
+from .. import trl_compat
 from . import trajectories
 from .hidden import PrefillCapture, forward_hidden_states
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .prefix_cache import PrefixReuse, supports_prefix_reuse
 from .tool_envs import PromptAdapter, ToolEnvAdapter, ToolSession
-from .vllm_backend import PrefixCacheCounter, WeightSyncs, equal_prompt_counts, install_cpu_weight_loading
+from .vllm_backend import PrefixCacheCounter, WeightSyncs, equal_prompt_counts
 from .vllm_stream import StreamTurns
 
 if TYPE_CHECKING:
@@ -266,7 +267,7 @@ class RolloutCollector:
             and (vllm_mode == "server" or (vllm_mode == "colocate" and getattr(args, "vllm_tensor_parallel_size", 1) == 1))
         )
         if trainer.use_vllm:
-            install_cpu_weight_loading(trainer.vllm_generation)
+            trl_compat.install_cpu_weight_loading(trainer.vllm_generation)
             self.weight_syncs = WeightSyncs(trainer.vllm_generation)
             self.prefix_cache = PrefixCacheCounter.for_generation(trainer.vllm_generation)
             if self.prefix_cache is None and self.can_stream:  # a server: its streamed replies may say

@@ -41,7 +41,9 @@ multiplies the advantages by it, `batching.training_batch` computes it). What ma
 - Errors: an env failure is an episode failure, as in the foreground; any other exception in
   the thread is raised on the main thread, with its traceback, when the rollout is joined.
   Evaluation and checkpoint saves join the thread first (`join`); a checkpoint stores the
-  prefetched rollout (`state_dict`), so a resumed run trains on the same episodes.
+  prefetched rollout (`state_dict`), so a resumed run trains on the same episodes, and logs
+  the same env/* counters for them (the train envs are built when it is taken, with the
+  checkpoint's counters).
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ import copy
 import hashlib
 import logging
 import threading
-import types
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -60,6 +61,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 from trl.trainer.utils import add_fused_lm_head, pad
 
+from ..trl_compat import forward_closes_over, fused_lm_head_settings
 from .batching import padded_tensors
 from .loop import Rollout
 
@@ -124,28 +126,6 @@ def _seed(*parts: Any) -> int:
 # ---------------------------------------------------------------------- the frozen copy of the policy
 
 
-def _fused_head_settings(module: torch.nn.Module) -> dict[str, Any] | None:
-    """The settings of TRL's fused LM head patched onto `module` (`add_fused_lm_head`), or None."""
-    forward = module.__dict__.get("forward")
-    if not isinstance(forward, types.MethodType) or forward.__func__.__code__.co_name != "_fused_forward":
-        return None
-    function = forward.__func__
-    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
-    return {k: cells[k].cell_contents for k in ("temperature", "cast_lm_head_to_fp32", "outputs") if k in cells}
-
-
-def _bound_to(function, originals: set[int]) -> bool:
-    """Whether `function`'s closure holds a method bound to one of the `originals` (module ids)."""
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, types.MethodType) and id(value.__self__) in originals:
-            return True
-    return False
-
-
 def snapshot_module(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` for generation: trainable parameters copied, frozen ones and buffers shared.
 
@@ -159,11 +139,11 @@ def snapshot_module(module: torch.nn.Module) -> torch.nn.Module:
     snapshot = copy.deepcopy(module, memo)
     originals = {id(m) for m in module.modules()}
     for part in snapshot.modules():
-        settings = _fused_head_settings(part)
+        settings = fused_lm_head_settings(part)
         if settings is not None:
             del part.__dict__["forward"]
             add_fused_lm_head(part, **settings)
-        elif "forward" in part.__dict__ and _bound_to(getattr(part.__dict__["forward"], "__func__", None), originals):
+        elif "forward" in part.__dict__ and forward_closes_over(getattr(part.__dict__["forward"], "__func__", None), originals):
             raise TypeError(
                 f"max_staleness=1 cannot copy the policy: {type(part).__name__}.forward is patched with a closure "
                 "over the live module, so the copy would generate with the live weights. Set max_staleness=0."
@@ -407,9 +387,20 @@ class RolloutOverlap:
                 continue
             if prefetched.rows is rows or (attr == "resumed" and prefetched.rows == rows):
                 setattr(self, attr, None)
+                if attr == "resumed":
+                    self._build_resumed_envs(rows)
                 return prefetched
         self.ready = None  # rows it was played for never came (the schedule changed): not trained on
         return None
+
+    def _build_resumed_envs(self, rows: list[dict[str, Any]]) -> None:
+        """Build the train envs a resumed generation was played on, now, with the counters the
+        checkpoint restored: this step logs the env/* metrics the uninterrupted run logs (they
+        count that generation's play) instead of none. The next generation plays on them anyway."""
+        collector = self.trainer.collector
+        tasks = collector.task_refs(rows, group_size=self.trainer.num_generations)
+        if tasks:
+            collector._envs("train", len(tasks))
 
     def start_next(self, rows: list[dict[str, Any]]) -> bool:
         """Start playing the generation after `rows` on a background thread with a snapshot of

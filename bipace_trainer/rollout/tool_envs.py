@@ -57,6 +57,7 @@ from typing import Any, Callable, Hashable, Sequence
 from envs.base import StepResult, TextEnv
 from envs.trl_env import EnvironmentFailure
 
+from ..trl_compat import rank_local_gather
 from .loop import Action, EnvAdapter, Rollout, TaskRef, _is_failure
 
 logger = logging.getLogger(__name__)
@@ -409,7 +410,6 @@ class ToolEnvAdapter(EnvAdapter):
         Only the scored episodes (not failed) are passed: a failed episode has no reward, and its
         env instance may be broken, so a reward function reading it must not stop the run."""
         import torch
-        import trl.trainer.grpo_trainer as grpo_module
 
         trainer, k = self.trainer, self.num_user_reward_funcs
         totals = [0.0] * len(self.tasks)
@@ -427,12 +427,10 @@ class ToolEnvAdapter(EnvAdapter):
         trainer.reward_processing_classes = saved[2][:k]
         if trainer.environment_factories is not None:  # as TRL: reward functions see `environments` only then
             trainer.environments = [instances[i] for i in keep]
-        gather = grpo_module.gather
-        grpo_module.gather = lambda tensor: tensor  # rank-local (docstring); restored below
         try:
-            per_func = trainer._calculate_rewards(rows, prompts, completions, [completion_ids[i] for i in keep])
+            with rank_local_gather():  # rank-local (docstring)
+                per_func = trainer._calculate_rewards(rows, prompts, completions, [completion_ids[i] for i in keep])
         finally:
-            grpo_module.gather = gather
             trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
         self._take_reward_logs(rollout)
         weights = trainer.reward_weights[:k].to(per_func.device)

@@ -15,8 +15,9 @@ state) plus the run's own state:
   dataset rows, its rollout with the behaviour log-probs and the step whose weights played it,
   so the resumed run trains on the same episodes, corrected by the same ratio.
 
-`bipace_state.json` also records the run's id and config (`run_dir`), which a resume
-compares with its own. `save_atomically` writes all of it into a staging folder and
+`bipace_state.json` also records the run's id, TensorBoard folder name and config
+(`run_dir`): a resume compares the config with its own, and takes the identity with it,
+so a checkpoint copied anywhere resumes as the same run. `save_atomically` writes all of it into a staging folder and
 renames it into place (a full disk stops the run with `CheckpointWriteError`, the
 previous checkpoint intact);
 `load_run_state` reads the run's state back; `EpochSeededRepeatSampler` makes a resumed
@@ -37,6 +38,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import RepeatSampler
 
 from . import run_dir as run_files
+from .run_dir import STATE_FILE
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
     from ..rollout.collector import RolloutCollector
 
 __all__ = [
-    "STATE_FILE",
     "BUFFER_FILE",
     "ENV_COUNTERS_FILE",
     "OVERLAP_FILE",
@@ -58,7 +59,6 @@ __all__ = [
     "EpochSeededRepeatSampler",
 ]
 
-STATE_FILE = "bipace_state.json"
 BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
 ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
 OVERLAP_FILE = "overlap_rollout_rank{rank}.pt"  # the generation played ahead during the last update, per rank
@@ -157,7 +157,7 @@ def _write_run_state(trainer: CheckpointedTrainer, directory: Path) -> None:
     if trainer.args.should_save:
         state = {"estimator": trainer.estimator.state_dict(), "eval_history": trainer.eval_history}
         # whose run this is and with which settings, for a resume to compare (`run_dir.compare_with_checkpoint`)
-        state["run_id"] = run_files.run_id(trainer.args.output_dir)
+        state.update(run_files.run_identity(trainer.args.output_dir))  # its run id, carried wherever it is copied
         state["config"] = run_files.run_config(trainer.args, getattr(trainer.model.config, "_name_or_path", "") or "")
         (directory / STATE_FILE).write_text(json.dumps(state))
     counters = trainer.collector.env_counters("train")
