@@ -27,8 +27,11 @@ DeepSpeed plumbing):
   subclass sees every generation.
 - `_tokenize_prompts`: each prompt bounded by the model's context.
 - `compute_loss`: a generation in which no sample on any rank has a non-zero advantage
-  skips its update (TRL's loss runs without gradients, for its metrics); a micro-batch runs in pieces of at most `per_device_train_batch_size`
-  rows (`micro_batches`).
+  skips its update (TRL's loss runs without gradients, for its metrics); a micro-batch runs in pieces of at
+  most `per_device_train_batch_size` rows (`micro_batches`; with `shared_prefix`, cut in token order by
+  `shared_prefix.py`).
+- `_get_per_token_logps_and_entropies`: TRL's values, with each shared token prefix forwarded
+  once (`shared_prefix.py`; the update and the old and reference log-prob passes).
 - `training_step`: a non-finite loss stops the run before the optimizer applies it.
 - `train`: SIGTERM saves and stops (`callbacks`), a run in which every episode failed
   raises, and every run leaves the project's model card (`model_card`).
@@ -61,7 +64,7 @@ from trl import GRPOTrainer
 from . import memory
 from .advantages import StepAdvantageEstimator, StepEstimate
 from .config import BiPACEConfig
-from .micro_batches import piece_weights, split_rows
+from .micro_batches import piece_weights, split_rows, take_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import model_card
 from .rollout.batching import training_batch
@@ -74,6 +77,7 @@ from .rollout.tool_envs import check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
+from .shared_prefix import SharedPrefixForward
 from .trl_advantages import AGGREGATIONS, grpo_advantages
 from .trl_metrics import episode_token_count, summarise_episodes, trl_metrics
 
@@ -257,6 +261,7 @@ class BiPACETrainer(GRPOTrainer):
             source = TextEnvSource(args)
         self.collector = RolloutCollector(self, source, needs_hidden=needs_hidden)
         self._sync = self.collector.sync
+        self._shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
         self.eval_history: list[dict[str, Any]] = []
         self.interrupted = False
@@ -555,8 +560,11 @@ class BiPACETrainer(GRPOTrainer):
         return self._loss_in_pieces(model, inputs, return_outputs, num_items_in_batch)
 
     def _loss_in_pieces(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss over a micro-batch, in pieces of at most `per_device_train_batch_size` rows."""
-        pieces = split_rows(inputs, self.args.per_device_train_batch_size)
+        """TRL's loss over a micro-batch, in pieces of at most `per_device_train_batch_size` rows
+        (with `shared_prefix`, cut in token order)."""
+        size = self.args.per_device_train_batch_size
+        runs = self._shared_prefix.pieces(inputs, size) if self._shared_prefix is not None else None
+        pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
         if len(pieces) == 1:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned
@@ -580,6 +588,20 @@ class BiPACETrainer(GRPOTrainer):
                     self.accelerator.backward(loss)
             done = done + loss.detach()
         return super().compute_loss(model, pieces[-1]) * weights[-1] + done
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL's, or the same values with each shared prefix forwarded once (`shared_prefix.py`)."""
+        trl = super()._get_per_token_logps_and_entropies
+
+        def plain(m=model, ids=input_ids, mask=attention_mask):
+            return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
+
+        shared = getattr(self, "_shared_prefix", None)
+        if shared is None or not shared.applies(compute_aux_loss, extra):
+            return plain()
+        return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                          compute_entropy, plain)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
