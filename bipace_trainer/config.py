@@ -20,7 +20,7 @@ from envs.vector import BACKENDS
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 from .rollout.loop import ROLLOUT_MODES
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "printing_only"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "printing_only"]
 
 # Set while `train.py --print_config` parses: the config is printed, not run, so the checks that
 # touch the machine (a GPU for bf16) or the env's data (listing ALFWorld tasks generates games) wait for the run.
@@ -95,7 +95,7 @@ FIELD_GROUPS = {
         "similarity_threshold",
     ),
     "multi-turn rollout and evaluation": (
-        "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
+        "env_name", "env_kwargs", "max_turns", "max_turn_length", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "rollout_mode",
         "max_staleness", "hf_prefix_cache", "hf_prefix_cache_store_mb", "shared_prefix", "require_think", "action_key_tokens",
@@ -103,6 +103,64 @@ FIELD_GROUPS = {
         "tool_errors",
     ),
     "what a run records": ("rollout_dump_steps",),
+}
+
+# TRL's `scale_rewards` as the estimator's `advantage_norm` (the episode term and the `mean` baseline,
+# GRPO's and GiGPO's normalisation). "batch" (one std over the whole batch) has no step-level form:
+# it is honoured on one-step episodes (plain prompts), refused on multi-turn ones (`trainer`).
+SCALE_REWARDS_NORM = {"group": "mean_std", "none": "mean"}
+
+_TRL = "TRL's code reads it unchanged"
+_GEN = "TRL's generation, every turn"
+_LOSS = "TRL's loss, over the step rows"
+# Every field GRPOConfig adds to transformers' TrainingArguments (whose own fields keep the Trainer's
+# meaning), and what BiPACETrainer does with it: ("honoured", how) or ("refused", why). Where a value
+# is refused only in some runs, the entry says when; tests/trl/test_trl_parity.py checks that this table
+# names every field of the installed GRPOConfig, so a field a TRL upgrade adds cannot pass unnoticed.
+GRPO_FIELDS: dict[str, tuple[str, str]] = {
+    **{name: ("honoured", _TRL + " (model loading)") for name in (
+        "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32")},
+    "router_aux_loss_coef": ("honoured", _LOSS),
+    "num_generations": ("honoured", "episodes per task group (G)"),
+    "num_generations_eval": ("honoured", "episodes per eval_dataset row in TRL's evaluate (eval_strategy)"),
+    "max_completion_length": ("honoured", "TRL's envs: the episode's whole completion (replies and tool results); "
+                              "env_name envs: each reply (their prompt is rebuilt every turn); max_turn_length caps a turn"),
+    "ds3_gather_for_generation": ("honoured", _GEN),
+    "shuffle_dataset": ("honoured", _TRL + " (the sampler)"),
+    "pad_to_multiple_of": ("honoured", _GEN),
+    "generation_batch_size": ("honoured", "rows (episodes) per generation, as TRL's schedule"),
+    "steps_per_generation": ("honoured", "optimizer steps per generation, as TRL's schedule"),
+    **{name: ("honoured", _GEN) for name in (
+        "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "repetition_penalty",
+        "cache_implementation", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+        "use_transformers_paged")},
+    **{name: ("honoured", _GEN + " (vLLM)") for name in (
+        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
+    **{name: ("honoured", _LOSS) for name in (
+        "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
+        "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "loss_type", "top_entropy_quantile",
+        "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+        "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl")},
+    "importance_sampling_level": ("honoured", _LOSS + "; None takes the preset's (sequence for GAGPO)"),
+    **{name: ("honoured", _TRL + " (the reference model's sync callback)") for name in (
+        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")},
+    "reward_weights": ("honoured", "weights of reward_funcs in the episode reward (TRL's envs and plain prompts); "
+                       "refused with env_name, whose env gives one reward of its own"),
+    "multi_objective_aggregation": ("honoured", "plain prompts (one-step episodes): TRL's advantage; 'normalize_then_sum' "
+                                    "is refused on multi-turn episodes: the step-level estimators credit one reward"),
+    "scale_rewards": ("honoured", "'group' / 'none' set advantage_norm 'mean_std' / 'mean' (SCALE_REWARDS_NORM); "
+                      "'batch': plain prompts only, refused on multi-turn episodes (no step-level batch std)"),
+    "mask_truncated_completions": ("honoured", "TRL's envs: every step of an episode cut by max_completion_length "
+                                   "leaves the loss; env_name envs: each reply cut by its cap"),
+    "max_tool_calling_iterations": ("honoured", "rounds of tool calls per episode (TRL's envs)"),
+    **{name: ("honoured", _TRL + " (vLLM importance sampling, per step row)") for name in (
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")},
+    "log_completions": ("honoured", "TRL's table, one row per step (prompt, completion, reward, advantage)"),
+    **{name: ("honoured", _TRL + " (the completions table)") for name in (
+        "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo")},
 }
 
 
@@ -191,6 +249,12 @@ class BiPACEConfig(GRPOConfig):
         wrapper's instead: `surface_variation` (0-1) renders the text with controlled variation
         that leaves the state alone, seeded by `surface_seed` (`envs.surface.SurfaceVariation`).
     max_turns (`int`, 15): turn budget per episode; a trajectory that hits it is truncated.
+    max_turn_length (`int` or `None`): the most tokens one reply (one turn) may have; None:
+        `max_completion_length`. TRL's `max_completion_length` keeps TRL's meaning for TRL's envs
+        (`environment_factory`/`tools`): the whole completion of an episode, every reply and tool
+        result after the first prompt, as GRPOTrainer caps it. Our envs (`env_name`) rebuild the
+        prompt every turn, so no completion grows across turns: there `max_completion_length`
+        caps each reply, as it always has (the recipes' 512), unless `max_turn_length` is lower.
     history_length (`int`, 2): observation/action pairs of history in each prompt.
     tasks_per_iteration (`int` or `None`): task groups per generation, over all processes; each is
         rolled out `num_generations` times (G). Set, it sets `generation_batch_size` = tasks × G;
@@ -396,6 +460,13 @@ class BiPACEConfig(GRPOConfig):
         },
     )
     max_turns: int = field(default=15, metadata={"help": "Turn budget per episode (ALFWorld papers: 50)."})
+    max_turn_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most tokens of one reply (turn); None: max_completion_length. TRL's envs: max_completion_length "
+            "caps the whole episode's completion, as TRL; env_name envs: it caps each reply unless this is set."
+        },
+    )
     history_length: int = field(default=2, metadata={"help": "Observation/action pairs of history in each prompt."})
     tasks_per_iteration: int | None = field(
         default=None,
@@ -472,6 +543,7 @@ class BiPACEConfig(GRPOConfig):
             self.resume_from_checkpoint = True if self.resume_from_checkpoint.lower() == "true" else None
         self._check_rollout_fields()
         self._env_error: Exception | None = None
+        self.env_name_set = self.env_name is not None  # else the default, which TRL's envs and plain prompts do not use
         if self.env_name is not None:
             self._check_env()
         else:  # the default env: its errors wait until a trainer needs it (TRL's envs do not, `require_env`)
@@ -480,6 +552,7 @@ class BiPACEConfig(GRPOConfig):
                 self._check_env()
             except (ValueError, EnvUnavailableError) as err:
                 self._env_error = err
+        self._apply_scale_rewards()
         self.estimator = self._resolve_estimator()
         if self.estimator.has_step_term and self.estimator.context_levels > self.history_length:
             # HGPO's levels exist to compare steps whose prompts agree; past the history the prompt
@@ -556,6 +629,9 @@ class BiPACEConfig(GRPOConfig):
             # sizes TRL and transformers take as given: 0 fails after the weights load (max_completion_length)
             # or as a ZeroDivisionError inside GRPOConfig (per_device_train_batch_size)
             *((_is_size(getattr(self, name)), name, "must be >= 1") for name in _SIZE_FIELDS),
+            (self.max_turn_length is None or 1 <= self.max_turn_length <= self.max_completion_length, "max_turn_length",
+             f"must be >= 1 and at most max_completion_length ({self.max_completion_length}), which bounds every "
+             "completion (or None: max_completion_length)"),
             (self.history_length >= 0, "history_length", "must be >= 0 (0 = no history)"),
             (self.tasks_per_iteration is None or self.tasks_per_iteration >= 1, "tasks_per_iteration",
              "must be >= 1 (or unset: TRL's schedule)"),
@@ -583,6 +659,20 @@ class BiPACEConfig(GRPOConfig):
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {message}.")
         self._check_staleness()
+
+    def _apply_scale_rewards(self) -> None:
+        """TRL's `scale_rewards` as `advantage_norm` (`SCALE_REWARDS_NORM`), unless that is set itself;
+        set to the other value, the two contradict each other and the run stops."""
+        norm = SCALE_REWARDS_NORM.get(self.scale_rewards)
+        if self.scale_rewards not in (*SCALE_REWARDS_NORM, "batch"):
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} must be one of 'group', 'batch', 'none' (TRL's).")
+        if self.scale_rewards == "none" and self.advantage_norm not in (None, norm):
+            raise ValueError(
+                f"scale_rewards='none' asks for advantage_norm='mean' but advantage_norm={self.advantage_norm!r} is set; "
+                "set one of them."
+            )
+        if self.advantage_norm is None and self.scale_rewards == "none":
+            self.advantage_norm = norm
 
     def _check_staleness(self) -> None:
         if self.max_staleness == 0:

@@ -7,22 +7,29 @@ collector plays all of them in lockstep, generating through TRL's own `_generate
 (HF generate or vLLM) and capturing the actor's hidden state when the estimator needs it;
 every env step becomes one row of TRL's batch (`batching`), with the advantage the
 estimator gives it. The envs are ours (`env_name`, a `TextEnv`) or TRL's own
-(`environment_factory`, `tools`, `reward_funcs`, with TRL 1.16's meaning; `tool_envs`).
+(`environment_factory`, `tools`, `reward_funcs`, with TRL 1.16's meaning; `tool_envs`); a plain
+prompt dataset with `reward_funcs` is a set of one-step episodes, trained with GRPOTrainer's own
+advantage (`trl_advantages`). What the trainer does with each GRPOConfig field is
+`config.GRPO_FIELDS`; docs/tutorials/coming-from-trl.md says it for users.
 
 Overridden, everything else is TRL's (loss, clipping, KL, optimizer, logging, vLLM and
 DeepSpeed plumbing):
 
 - `__init__`: GRPOTrainer's signature, keyword for keyword; `rollout_func` is refused (the
   rollout is ours), a dict `environment_factory` must route every row, `cluster_layer` clamps
-  to the model's depth.
-- `_generate_and_score_completions`: the seam above. Env-failed episodes leave the batch unless
+  to the model's depth, TRL's reward settings without a step-level form are refused on
+  multi-turn episodes, and `max_turn_length` caps each generate call.
+- `_generate_and_score_completions`: the seam above; in TRL's `evaluate` (`eval_dataset` with
+  `eval_strategy`) the eval rows are played and scored the same way, for `eval_loss` and the
+  `eval_*` metrics (`_eval_batch`). Env-failed episodes leave the batch unless
   `penalize_env_failures`; GRPOTrainer's own metrics are logged per episode (`trl_metrics`) next
   to ours. It calls `on_rollout(rollout, advantages, diagnostics)`, the hook through which a
   subclass sees every generation.
 - `_tokenize_prompts`: each prompt bounded by the model's context.
 - `compute_loss`: a generation in which no sample on any rank has a non-zero advantage
-  skips its update; a micro-batch runs in pieces of at most `per_device_train_batch_size`
-  rows (`micro_batches`; with `shared_prefix`, cut in token order by `shared_prefix.py`).
+  skips its update (TRL's loss runs without gradients, for its metrics); a micro-batch runs in pieces of at
+  most `per_device_train_batch_size` rows (`micro_batches`; with `shared_prefix`, cut in token order by
+  `shared_prefix.py`).
 - `_get_per_token_logps_and_entropies`: TRL's values, with each shared token prefix forwarded
   once (`shared_prefix.py`; the update and the old and reference log-prob passes).
 - `training_step`: a non-finite loss stops the run before the optimizer applies it.
@@ -40,6 +47,8 @@ are listed in docs/RELIABILITY.md.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import random
 import time
@@ -69,11 +78,59 @@ from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
 from .shared_prefix import SharedPrefixForward
-from .trl_metrics import loss_metric_names, summarise_episodes, trl_metrics
+from .trl_advantages import AGGREGATIONS, grpo_advantages
+from .trl_metrics import episode_token_count, summarise_episodes, trl_metrics
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
+
+
+def _plain_prompts(args: BiPACEConfig, reward_funcs, trl_envs: bool, train_dataset) -> bool:
+    """Whether the trainer gets GRPOTrainer's plain case, `reward_funcs` on a prompt dataset with no
+    env, no tools and `env_name` unset (each prompt a one-step episode), after the checks of what
+    the arguments ask for; a run on `env_name` has its env checked here."""
+    plain = not trl_envs and reward_funcs is not None and not args.env_name_set
+    if not trl_envs and not plain:
+        args.require_env()
+        if reward_funcs is not None:
+            raise ValueError(
+                f"reward_funcs score TRL's environments or a prompt dataset; env_name={args.env_name!r} gives its "
+                "own rewards. Drop reward_funcs (or env_name, to train on the dataset's prompts)."
+            )
+        if args.reward_weights is not None:
+            raise ValueError(
+                f"reward_weights weigh reward_funcs, and env_name={args.env_name!r} gives one reward of its own, "
+                "trained as it is; drop reward_weights (scale the reward inside the env if you must)."
+            )
+    if plain and (train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ["prompt"])):
+        raise ValueError(
+            "reward_funcs without environment_factory, tools or env_name train on train_dataset's prompts, as "
+            "GRPOTrainer does: pass a train_dataset with a 'prompt' column."
+        )
+    _check_multi_turn_reward_settings(args, one_step=plain)
+    return plain
+
+
+def _check_multi_turn_reward_settings(args: BiPACEConfig, one_step: bool) -> None:
+    """TRL's reward settings that have no step-level form: honoured on one-step episodes (plain prompts,
+    `trl_advantages`), refused on multi-turn ones (`config.GRPO_FIELDS`)."""
+    if args.multi_objective_aggregation not in AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={args.multi_objective_aggregation!r} must be one of {AGGREGATIONS}.")
+    if one_step:
+        return
+    if args.scale_rewards == "batch":
+        raise ValueError(
+            "scale_rewards='batch' divides by one std over the whole batch, which the step-level estimators have no "
+            "form of (they normalise within task groups and state cells); set scale_rewards='group' or 'none'."
+        )
+    if args.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r} normalises each reward function within "
+            "its group before summing, but the step-level estimators credit one reward per episode (the weighted "
+            "sum) to its steps; set multi_objective_aggregation='sum_then_normalize'."
+        )
+
 
 class ScoredRollout(NamedTuple):
     """One training rollout made into TRL's batch, with the estimator's advantages in place."""
@@ -107,7 +164,10 @@ class BiPACETrainer(GRPOTrainer):
         callbacks: extra `TrainerCallback`s.
         reward_funcs, tools, environment_factory: TRL 1.16's, with its meaning; given
             `environment_factory` or `tools`, the trainer plays TRL's envs (`tool_envs`) and
-            `env_name` is not used. eval_dataset: the rows `evaluate_policy` plays then.
+            `env_name` is not used; `reward_funcs` alone (no env, `env_name` unset) train on
+            `train_dataset`'s prompts as GRPOTrainer does, each a one-step episode.
+        eval_dataset: with `eval_strategy`, TRL's evaluation plays its rows (`eval_loss`, `eval_*`);
+            with TRL's envs or plain prompts, they are also the rows `evaluate_policy` plays.
 
     `train()` leaves the project's model card (`model_card.py`) in `output_dir`, and
     `save_model()` keeps it there in place of PEFT's. Call `close_envs()` when done with the
@@ -154,14 +214,8 @@ class BiPACETrainer(GRPOTrainer):
                 f"args must be a BiPACEConfig, got {type(args).__name__}: BiPACEConfig takes every GRPOConfig "
                 "argument, so build it with the same arguments."
             )
-        trl_envs = environment_factory is not None or bool(tools)
-        if not trl_envs:
-            args.require_env()
-            if reward_funcs is not None:
-                raise ValueError(
-                    f"reward_funcs apply to TRL's environments (environment_factory or tools); env_name={args.env_name!r} "
-                    "gives its own rewards. Drop reward_funcs, or add the reward inside the env."
-                )
+        plain_prompts = _plain_prompts(args, reward_funcs, environment_factory is not None or bool(tools), train_dataset)
+        trl_envs = environment_factory is not None or bool(tools) or plain_prompts  # scored by TRL's reward_funcs
         check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         if model is None or isinstance(model, str):
             model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
@@ -178,6 +232,7 @@ class BiPACETrainer(GRPOTrainer):
             reward_funcs=list(user_rewards) if trl_envs else [env_reward],  # TRL appends get_reward to it
             args=args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             reward_processing_classes=reward_processing_classes,
             callbacks=callbacks,
@@ -187,7 +242,15 @@ class BiPACETrainer(GRPOTrainer):
             tools=tools,
             environment_factory=environment_factory,
         )
+        self.one_step = plain_prompts
+        if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`trl_advantages`)
+            args.estimator = dataclasses.replace(
+                args.estimator, partition="none", baseline=None, w_ep=1.0, w_step=0.0, context_levels=0
+            )
+            logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
+                        "has no step term to add where the prompt is the only state).")
         self.estimator = StepAdvantageEstimator(args.estimator)
+        self._cap_turns(args)
         needs_hidden = "hidden" in args.estimator.rollout_needs
         if needs_hidden:
             args.cluster_layer = clamp_layer(self.accelerator.unwrap_model(self.model), args.cluster_layer)
@@ -211,6 +274,17 @@ class BiPACETrainer(GRPOTrainer):
         self.callback_handler.callbacks.insert(0, FinalEvaluationCallback(self))
         if self.callback_handler.pop_callback(ProgressCallback) is not None:
             self.add_callback(NumericProgressCallback)
+
+    def _cap_turns(self, args: BiPACEConfig) -> None:
+        """Each generate call's cap is `max_turn_length` (None: `max_completion_length`, TRL's
+        setting of both backends); TRL's envs also cap the episode (`tool_envs`)."""
+        if args.max_turn_length is None or args.max_turn_length == self.max_completion_length:
+            return
+        if self.use_vllm:
+            self.vllm_generation.max_completion_length = args.max_turn_length
+        else:
+            self.generation_config.max_new_tokens = args.max_turn_length
+            self.generation_kwargs["max_new_tokens"] = args.max_turn_length
 
     def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
         """`max_staleness=1`'s background rollouts (`rollout.overlap`), where nothing on the
@@ -239,14 +313,14 @@ class BiPACETrainer(GRPOTrainer):
     # ------------------------------------------------------------------ generation (the collector calls these)
 
     def _tokenize_prompts(self, prompts: list):
-        """TRL's tokenization, then each prompt bounded by the model's context minus
-        `max_completion_length` (`prompting.fit_prompt_ids`): past it a learned-position
-        model crashes and a RoPE model silently degrades."""
+        """TRL's tokenization, then each prompt bounded by the model's context minus one reply's
+        cap (`max_turn_length`, else `max_completion_length`; `prompting.fit_prompt_ids`): past it a
+        learned-position model crashes and a RoPE model silently degrades."""
         prompt_ids, *rest = super()._tokenize_prompts(prompts)
         context = getattr(self.accelerator.unwrap_model(self.model).config.get_text_config(), "max_position_embeddings", None)
         if not context:
             return (prompt_ids, *rest)
-        limit = max(context - self.args.max_completion_length, 16)
+        limit = max(context - (self.args.max_turn_length or self.args.max_completion_length), 16)
         if all(len(ids) <= limit for ids in prompt_ids):
             return (prompt_ids, *rest)
         marker = self._tokenizer.encode("\n[... cut to fit the context ...]\n", add_special_tokens=False)
@@ -293,7 +367,9 @@ class BiPACETrainer(GRPOTrainer):
     # ------------------------------------------------------------------ the seam
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
-        mode = "train" if self.model.training else "eval"
+        if not self.model.training:  # TRL's evaluate (eval_dataset, eval_strategy)
+            return self._eval_batch(inputs)
+        mode = "train"
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
         # max_staleness=1: this generation may have been played during the previous update (`rollout.overlap`)
         prefetched = None
@@ -325,7 +401,7 @@ class BiPACETrainer(GRPOTrainer):
         self._skip_update = not signal and self.skip_update_without_signal
 
         metrics = {**rollout.metrics(), **diagnostics, **self.collector.env_metrics("train"), **scored.batch_metrics}
-        metrics.update(self._trl_metrics(rollout))
+        metrics.update(self._trl_metrics(rollout, mode))
         metrics["train/masked_failed_episodes"] = float(scored.masked_episodes)
         metrics["train/masked_failed_steps"] = float(scored.masked_steps)
         metrics["train/skipped_batches"] = float(not signal)
@@ -373,8 +449,9 @@ class BiPACETrainer(GRPOTrainer):
         # The batch first: under vLLM its old-logprob pass also captures the hidden states.
         capture_hidden = self.use_vllm and self.needs_hidden and self.args.hidden_capture == "hook"
         batch, batch_metrics = training_batch(self, rollout, self._sync, capture_hidden, behaviour_policy=prefetched is not None)
+        self._mask_cut_episodes(rollout, batch)
         start = time.perf_counter()
-        estimate = self.estimator.estimate(rollout.step_batch(), reduce=self._sync.mean)
+        estimate = self._estimate(rollout, self.estimator, self.num_generations)
         estimator_seconds = time.perf_counter() - start
         advantages = estimate.advantage
         if not torch.isfinite(advantages).all():
@@ -391,6 +468,71 @@ class BiPACETrainer(GRPOTrainer):
             behaviour_step=prefetched.snapshot_step if prefetched is not None else None,
         )
 
+    def _estimate(self, rollout: Rollout, estimator: StepAdvantageEstimator, group_size: int) -> StepEstimate:
+        """The estimator's advantages of `rollout`; on one-step episodes (plain prompts) GRPOTrainer's own
+        (`trl_advantages.grpo_advantages`, over every rank's rows as TRL gathers them)."""
+        estimate = estimator.estimate(rollout.step_batch(), reduce=self._sync.mean)
+        if not self.one_step:
+            return estimate
+        nan = float("nan")
+        rows = [[nan if e.failed else e.reward_terms.get(name, nan) for name in self.reward_func_names] for e in rollout.episodes]
+        local = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(self.reward_func_names))
+        every = self.accelerator.gather(local.to(self.accelerator.device)).cpu() if self.accelerator.num_processes > 1 else local
+        advantages = grpo_advantages(
+            every, self.reward_weights.cpu(), group_size, self.args.scale_rewards, self.args.multi_objective_aggregation
+        )
+        start = self.accelerator.process_index * len(rows)
+        by_traj = {e.traj: advantages[start + j] for j, e in enumerate(rollout.episodes)}
+        estimate.advantage = torch.stack([by_traj[s.traj] for s in rollout.steps]) if rollout.steps else torch.zeros(0)
+        adv = estimate.advantage.double()
+        q25, q75 = (torch.quantile(adv, torch.tensor([0.25, 0.75], dtype=adv.dtype)).tolist() if adv.numel() else (0.0, 0.0))
+        estimate.diagnostics.update({
+            "advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
+            "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+            "advantage/iqr": q75 - q25,
+            "advantage/episode_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0,
+        })
+        return estimate
+
+    def _mask_cut_episodes(self, rollout: Rollout, batch: dict[str, Any]) -> None:
+        """`mask_truncated_completions` with TRL's meaning on TRL's envs: an episode is TRL's one
+        completion, so every step of an episode whose last reply was cut (no EOS) leaves the loss, not
+        only that reply (which `batching` masks on every env)."""
+        if not (self.mask_truncated_completions and isinstance(self.collector.source, ToolEnvSource)) or self.one_step:
+            return
+        eos, last = set(self.eos_token_ids), {}
+        for step in rollout.steps:
+            last[step.traj] = step
+        cut = {traj for traj, step in last.items() if not step.completion_ids or step.completion_ids[-1] not in eos}
+        rows = [j for j, step in enumerate(rollout.steps) if step.traj in cut]
+        if rows:
+            batch["completion_mask"][rows] = 0
+        batch["num_items_in_batch"] = self.accelerator.gather(batch["completion_mask"].sum()).sum()
+
+    def _eval_batch(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's `evaluate` (`eval_dataset` with `eval_strategy`): its rows played on the eval envs at the
+        training temperature, `num_generations_eval` episodes each, scored as a training batch (no
+        resampling, overlap, hooks or dumps) so that TRL's `prediction_step` gives `eval_loss`, and this
+        generation's metrics are logged with TRL's `eval_` prefix. The success-rate evaluation of
+        held-out tasks is `evaluate_policy`'s (`eval_interval`), apart from this."""
+        if self._overlap is not None:
+            self._overlap.join()
+        tasks = self.collector.task_refs(inputs, group_size=self.num_generations_eval)
+        played = self.collector.collect("eval", tasks, traj_offset=self.accelerator.process_index * len(tasks))
+        rollout = played if self.args.penalize_env_failures else played.without_failed_episodes()
+        if self.needs_hidden and rollout.steps:  # evaluation rollouts capture none: one pass over the prompts
+            for step, state in zip(rollout.steps, self.collector._forward_hidden([s.prompt_ids for s in rollout.steps])):
+                step.hidden = state
+        batch, batch_metrics = training_batch(self, rollout, self._sync)
+        self._mask_cut_episodes(rollout, batch)
+        # a copy: evaluation must not move the training estimator's ε calibration or call count
+        estimate = self._estimate(rollout, copy.deepcopy(self.estimator), self.num_generations_eval)
+        padded_rows = batch["advantages"].numel() - estimate.advantage.numel()
+        batch["advantages"] = torch.cat([estimate.advantage, torch.zeros(padded_rows)]).to(batch["advantages"].device)
+        metrics = {**rollout.metrics(), **estimate.diagnostics, **batch_metrics, **self._trl_metrics(rollout, "eval")}
+        self._record_metrics("eval", metrics)
+        return batch
+
     def _redraw_tasks(self, tasks: list[TaskRef], attempt: int) -> list[TaskRef]:
         """`tasks` with each group's task replaced by a row drawn from the training set, seeded
         by (seed, step, attempt, rank): a resumed run redraws the same tasks."""
@@ -405,13 +547,21 @@ class BiPACETrainer(GRPOTrainer):
         before they enter TRL's loss. Override to inspect or record them; the default does nothing."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._skip_update and not self.is_deepspeed_enabled:  # the generation's (`_generate_and_score_completions`)
-            # No forward, no backward: gradients stay None, so the optimizer leaves every
-            # parameter (and its moments) untouched. DeepSpeed counts micro-steps inside
-            # its backward, so under DeepSpeed the zero-advantage loss runs as usual.
-            for name in loss_metric_names(self.loss_type, self.beta):  # TRL's loss metrics: logged, unknown (None)
-                self._metrics["train"][name].append(float("nan"))
+        skip = self._skip_update and self.model.training  # the generation's (`_generate_and_score_completions`)
+        if skip and not self.is_deepspeed_enabled:
+            # No backward: gradients stay None, so the optimizer leaves every parameter (and its
+            # moments) untouched. TRL's loss still runs, without gradients, so that its metrics
+            # (entropy, kl, clip_ratio/*: 0 with zero advantages) are numbers, as GRPOTrainer logs
+            # them. DeepSpeed counts micro-steps inside its backward, so under DeepSpeed the
+            # zero-advantage loss runs as usual.
+            with torch.no_grad():
+                self._loss_in_pieces(model, inputs)
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+        return self._loss_in_pieces(model, inputs, return_outputs, num_items_in_batch)
+
+    def _loss_in_pieces(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss over a micro-batch, in pieces of at most `per_device_train_batch_size` rows
+        (with `shared_prefix`, cut in token order)."""
         size = self.args.per_device_train_batch_size
         runs = self._shared_prefix.pieces(inputs, size) if self._shared_prefix is not None else None
         pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
@@ -425,8 +575,10 @@ class BiPACETrainer(GRPOTrainer):
         # largest count over ranks), so collective calls inside forward passes stay aligned.
         weights = piece_weights(pieces, self.loss_type)
         done = torch.zeros((), device=self.accelerator.device)
-        if not torch.is_grad_enabled():  # TRL's prediction_step: the loss only
-            return sum((super().compute_loss(model, p) * w for p, w in zip(pieces, weights)), done)
+        if not torch.is_grad_enabled():  # TRL's prediction_step, or a skipped update's metrics: the loss only
+            for piece, weight in zip(pieces, weights):  # a loop: zero-argument super() fails inside a generator
+                done = done + super().compute_loss(model, piece) * weight
+            return done
         for piece, weight in zip(pieces[:-1], weights[:-1]):
             with self.accelerator.no_sync(model):
                 loss = super().compute_loss(model, piece) * weight
@@ -463,8 +615,11 @@ class BiPACETrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ metrics
 
-    def _trl_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token count."""
+    def _trl_metrics(self, rollout: Rollout, mode: str = "train") -> dict[str, float]:
+        """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token counts:
+        TRL's `num_tokens` (the running total of tokens the model processed, each once:
+        `trl_metrics.episode_token_count`) and ours, `rollout/tokens_all_turns` (this generation's
+        prompt and completion tokens, every turn's whole prompt counted)."""
         trl_rewards = getattr(self.collector.source, "uses_reward_funcs", False)  # else the env's own, TRL's `env_reward`
         names = self.reward_func_names if trl_rewards else ["env_reward"]
         summaries = summarise_episodes(
@@ -472,13 +627,15 @@ class BiPACETrainer(GRPOTrainer):
             single_source=None if trl_rewards else names[0],
             failed_scored=self.args.penalize_env_failures,
         )
-        tokens = torch.tensor([sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)],
-                              device=self.accelerator.device)
+        all_turns = sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)
+        tokens = torch.tensor([[episode_token_count(rollout.steps), all_turns]], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             summaries = gather_object(summaries)
-        self.state.num_input_tokens_seen += int(self.accelerator.gather(tokens).sum())
-        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]  # TRL's: the running total
-        return trl_metrics(summaries, names, tools=bool(self.tools))
+        processed_once, every_turn = (int(n) for n in self.accelerator.gather(tokens).sum(dim=0))
+        if mode == "train":  # as TRL: evaluation tokens are not "seen"
+            self.state.num_input_tokens_seen += processed_once
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]  # TRL's: the running total
+        return {**trl_metrics(summaries, names, tools=bool(self.tools)), "rollout/tokens_all_turns": float(every_turn)}
 
     def _record_metrics(self, mode: str, metrics: dict[str, float]) -> None:
         """Each metric combined over ranks (`CrossRankSync.combine`), appended to TRL's metric buffers."""

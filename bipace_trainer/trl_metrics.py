@@ -34,7 +34,7 @@ from typing import Hashable, Sequence
 import torch
 from trl.trainer.utils import nanstd
 
-__all__ = ["EpisodeSummary", "summarise_episodes", "trl_metrics", "loss_metric_names"]
+__all__ = ["EpisodeSummary", "summarise_episodes", "trl_metrics", "episode_token_count"]
 
 
 @dataclass(frozen=True)
@@ -51,17 +51,26 @@ class EpisodeSummary:
     tool_failures: int = 0
 
 
-def loss_metric_names(loss_type: str, beta: float) -> list[str]:
-    """The metrics GRPOTrainer's `_compute_loss` logs for `loss_type`: an update skipped for want of
-    signal logs them as unknown (NaN, which TRL's `log` shows as None), so no name goes missing."""
-    names = ["entropy"] + (["kl"] if beta != 0.0 else [])
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        names += [f"clip_ratio/{name}" for name in ("low_mean", "high_mean", "region_mean", "low_min", "high_max")]
-    elif loss_type == "cispo":
-        names.append("cispo_clip_ratio")
-    elif loss_type == "vespo":
-        names.append("vespo/phi_seq_mean")
-    return names
+def episode_token_count(steps: Sequence) -> int:
+    """TRL's `num_tokens` of one generation's steps: the tokens the model processed, each once.
+
+    TRL's sample is one prompt and one completion (a tool episode's completion holds every reply
+    and tool result); our steps re-send each turn's whole prompt. So a step's prompt counts only
+    past the longest prefix it shares with its episode's previous prompt and reply: a chat that
+    only grew (TRL's envs) counts as TRL's one prompt plus completion, and a prompt rebuilt from
+    scratch (our envs' history window) counts whole. Steps must be in turn order within an episode."""
+    previous: dict[int, list[int]] = {}
+    total = 0
+    for step in steps:
+        before, prompt = previous.get(step.traj, []), list(step.prompt_ids)
+        shared = 0
+        for a, b in zip(before, prompt):
+            if a != b:
+                break
+            shared += 1
+        total += len(prompt) - shared + len(step.completion_ids)
+        previous[step.traj] = prompt + list(step.completion_ids)
+    return total
 
 
 def summarise_episodes(

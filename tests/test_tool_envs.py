@@ -14,6 +14,7 @@ import re
 import types
 
 import pytest
+from trl import GRPOTrainer
 from trl.chat_template_utils import add_response_schema
 
 from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
@@ -46,20 +47,28 @@ def call(*names: str) -> str:
     return "".join("<tool_call>\n" + json.dumps({"name": n, "arguments": {}}) + "\n</tool_call>" for n in names)
 
 
-def fake_trainer(tokenizer, factories, max_tool_calling_iterations=10):
-    """The attributes `GRPOTrainer.__init__` sets for `environment_factory=factories`."""
+def fake_trainer(tokenizer, factories, max_tool_calling_iterations=10, max_completion_length=4096):
+    """The attributes `GRPOTrainer.__init__` sets for `environment_factory=factories`, and TRL's own
+    `_get_tool_suffix_ids` (the tokens a tool result adds to the completion)."""
     multi = isinstance(factories, dict)
     factories = factories if multi else {None: factories}
-    return types.SimpleNamespace(
+    trainer = types.SimpleNamespace(
         environment_factories=factories,
         _multi_environment=multi,
         _standalone_tools=[],
         _env_tools={name: tool_methods(factory()) for name, factory in factories.items()},
         tools=[],
         _tokenizer=tokenizer,
+        processing_class=tokenizer,
+        chat_template=None,
+        chat_template_kwargs={},
+        _is_vlm=False,
         max_tool_calling_iterations=max_tool_calling_iterations,
+        max_completion_length=max_completion_length,
         reward_funcs=["get_reward"],  # TRL appended one get_reward column; no user reward_funcs
     )
+    trainer._get_tool_suffix_ids = types.MethodType(GRPOTrainer._get_tool_suffix_ids, trainer)
+    return trainer
 
 
 def scripted(tokenizer, trainer, scripts):

@@ -45,7 +45,7 @@ from . import trajectories
 from .hidden import PrefillCapture, forward_hidden_states
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .prefix_cache import PrefixReuse, supports_prefix_reuse
-from .tool_envs import ToolEnvAdapter, ToolSession
+from .tool_envs import PromptAdapter, ToolEnvAdapter, ToolSession
 from .vllm_backend import PrefixCacheCounter, WeightSyncs, equal_prompt_counts
 from .vllm_stream import StreamTurns
 
@@ -177,7 +177,8 @@ class TextEnvSource:
 
 class ToolEnvSource:
     """TRL's envs: `environment_factory` (one callable, or a dict selected by the row's
-    "environment") and standalone `tools`, as set up by `GRPOTrainer.__init__` on `trainer`.
+    "environment") and standalone `tools`, as set up by `GRPOTrainer.__init__` on `trainer`;
+    with neither, plain prompts scored by `reward_funcs`, one reply each (`PromptAdapter`).
     A dataset row is passed whole to `reset(**row)`; evaluation plays the rows of
     `eval_dataset` (the first `eval_tasks`, 0 = all), each `eval_rollouts_per_task` times."""
 
@@ -191,7 +192,8 @@ class ToolEnvSource:
         self.eval_rows = eval_rows or []
         factories = trainer.environment_factories or {}
         names = {getattr(f, "__name__", type(f).__name__) for f in factories.values()}
-        self.name = "+".join(sorted(names)) or "tools"  # what the model card calls the env
+        self.plain_prompts = trainer.environment_factories is None and not trainer.tools
+        self.name = "+".join(sorted(names)) or ("prompts" if self.plain_prompts else "tools")  # the model card's env
 
     def env_factory(self) -> tuple[Any, dict[str, Any]]:
         factories = self.trainer.environment_factories
@@ -199,6 +201,8 @@ class ToolEnvSource:
         return functools.partial(ToolSession, factories, self.trainer._standalone_tools, multi, self.trainer.args.tool_errors), {}
 
     def adapter(self, settings: RolloutSettings) -> EnvAdapter:
+        if self.plain_prompts:  # no env, no tools: each row one reply (plain GRPO)
+            return PromptAdapter(self.trainer, self.num_user_reward_funcs)
         return ToolEnvAdapter(self.trainer, self.num_user_reward_funcs)
 
     def task_ref(self, row: dict[str, Any], group: int) -> TaskRef:

@@ -14,6 +14,11 @@ answers without a tool call, and the whole chat is one sample with one advantage
 - the episode ends when a reply has no tool call, at `max_turns`, or once
   `max_tool_calling_iterations` rounds of tool calls have run (TRL's bound; the turn
   that would exceed it ends the episode as truncated, its calls not run);
+- `max_completion_length` caps the episode's whole completion, every token after the first
+  prompt (replies and tool results), as TRL caps its multi-turn completion: a reply is cut to
+  the budget left, which ends the episode (truncated, its calls not run), and tool results
+  that would push the completion past the budget are dropped and end it (TRL rolls them back);
+  `max_turn_length` caps each reply on its own;
 - the episode reward sits on its last step: the env's `get_reward()` (weight 1, as TRL)
   plus `reward_funcs` weighted by `reward_weights`, computed by TRL's own
   `_calculate_rewards` over the whole chat (`completions` are the messages after the
@@ -57,7 +62,7 @@ from .loop import Action, EnvAdapter, Rollout, TaskRef, _is_failure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ToolSession", "ToolEnvAdapter", "tool_methods", "check_environment_factory", "SCORE"]
+__all__ = ["ToolSession", "ToolEnvAdapter", "PromptAdapter", "tool_methods", "check_environment_factory", "SCORE"]
 
 SCORE = "__bipace_score__"  # the command that asks a session for its env's get_reward()
 _warned_stateless: set[str] = set()  # tools already warned about (once per process)
@@ -245,7 +250,7 @@ class ToolEnvAdapter(EnvAdapter):
         self.num_user_reward_funcs = num_user_reward_funcs
 
     # -- per rollout
-    def start(self, envs, tasks: Sequence[TaskRef]):
+    def _new_rollout(self, tasks: Sequence[TaskRef]) -> None:
         self.tasks = list(tasks)
         self.rows = [dict(task.inputs or {}) for task in tasks]
         multi = self.trainer._multi_environment if self.trainer.environment_factories is not None else False
@@ -256,6 +261,14 @@ class ToolEnvAdapter(EnvAdapter):
         self.history: list[list[Any]] = [[] for _ in tasks]  # (calls, results) per turn: the state of a stateless tool
         self.chats: list[list[dict[str, Any]]] = []
         self.prompts: list[list[dict[str, Any]]] = []
+        # TRL's completion budget (`max_completion_length`): each episode's first prompt length, the
+        # tokens its completion holds after the last reply, and whether a reply was cut to fit
+        self.first_prompt: list[int | None] = [None] * len(tasks)
+        self.completion_tokens = [0] * len(tasks)
+        self.cut = [False] * len(tasks)
+
+    def start(self, envs, tasks: Sequence[TaskRef]):
+        self._new_rollout(tasks)
         results = envs.reset(self.rows) if tasks else []
         for row, result in zip(self.rows, results):
             prompt = list(row.get("prompt") or [{"role": "user", "content": ""}])
@@ -276,9 +289,26 @@ class ToolEnvAdapter(EnvAdapter):
     def environment(self, i):
         return self.names[i]
 
+    def _fit_budget(self, i: int, prompt_ids: list[int], completion_ids: list[int]) -> bool:
+        """Cut the reply, in place (the step records this very list), to the episode's completion
+        budget left (`max_completion_length` minus what the completion already holds: the prompt's
+        growth since the first turn); True if it was cut."""
+        if self.first_prompt[i] is None:
+            self.first_prompt[i] = len(prompt_ids)
+        left = max(self.trainer.max_completion_length - (len(prompt_ids) - self.first_prompt[i]), 0)
+        cut = len(completion_ids) > left
+        if cut:
+            del completion_ids[left:]
+        self.completion_tokens[i] = len(prompt_ids) - self.first_prompt[i] + len(completion_ids)
+        self.cut[i] = cut
+        return cut
+
     def act(self, i, text, prompt_ids, completion_ids):
         from trl.chat_template_utils import parse_response
 
+        if self._fit_budget(i, prompt_ids, completion_ids):  # the budget is spent: the episode ends, no call runs
+            text = self.trainer.processing_class.decode(completion_ids, skip_special_tokens=True)
+            return Action(None, True, "answer: " + " ".join(text.lower().split()), {"role": "assistant", "content": text})
         tools = self.trainer._env_tools[self.names[i]] if self.trainer.environment_factories is not None else self.trainer.tools
         parsed = parse_response(self.trainer._tokenizer, list(completion_ids), prefix=list(prompt_ids), tools=tools)
         calls = _tool_calls(parsed)
@@ -295,7 +325,7 @@ class ToolEnvAdapter(EnvAdapter):
                 continue
             self.chats[i].append(action.parsed)
             if action.command is None:
-                local[i] = StepResult(observation="", done=True)
+                local[i] = StepResult(observation="", done=True, info={"truncated": "max_completion_length"} if self.cut[i] else {})
             elif self.tool_rounds[i] >= self.trainer.max_tool_calling_iterations:
                 local[i] = StepResult(observation="", done=True, info={"truncated": "max_tool_calling_iterations"})
             else:
@@ -312,6 +342,9 @@ class ToolEnvAdapter(EnvAdapter):
                 continue
             info = results[i].info
             self.tool_failures[i] += info.get("tool_failures", 0)
+            if self._past_budget(i, info.get("tool_messages", [])):  # TRL drops these results and ends the episode
+                results[i] = StepResult(observation="", done=True, info={"truncated": "max_completion_length"})
+                continue
             self.chats[i].extend(info.get("tool_messages", []))
             self.history[i].append([json.loads(command), results[i].observation])
             if info.get("stateless_tools"):
@@ -320,6 +353,14 @@ class ToolEnvAdapter(EnvAdapter):
                 results[i].anchor = "history: " + json.dumps(self.history[i], sort_keys=True, default=str)
                 _warn_stateless(info["stateless_tools"])
         return results
+
+    def _past_budget(self, i: int, messages: list[dict[str, Any]]) -> bool:
+        """Whether these tool results, tokenized as TRL appends them, would take the completion past
+        `max_completion_length`."""
+        if not messages:
+            return False
+        suffix = self.trainer._get_tool_suffix_ids(messages)
+        return self.completion_tokens[i] + len(suffix) > self.trainer.max_completion_length
 
     def finish(self, envs, rollout: Rollout) -> None:
         """Each episode's reward on its last step: `get_reward` (in the session) plus the
@@ -380,11 +421,12 @@ class ToolEnvAdapter(EnvAdapter):
             completion_ids[step.traj - rollout.episodes[0].traj] += list(step.completion_ids)
         instances = self._instances(envs)
         rows, prompts = [self.rows[i] for i in keep], [self.prompts[i] for i in keep]
-        completions = [self.chats[i][len(self.prompts[i]):] for i in keep]
+        completions = [self._completion(i) for i in keep]
         saved = trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments
         trainer.reward_funcs, trainer.reward_func_names = saved[0][:k], saved[1][:k]
         trainer.reward_processing_classes = saved[2][:k]
-        trainer.environments = [instances[i] for i in keep]
+        if trainer.environment_factories is not None:  # as TRL: reward functions see `environments` only then
+            trainer.environments = [instances[i] for i in keep]
         try:
             with rank_local_gather():  # rank-local (docstring)
                 per_func = trainer._calculate_rewards(rows, prompts, completions, [completion_ids[i] for i in keep])
@@ -398,6 +440,10 @@ class ToolEnvAdapter(EnvAdapter):
             for name, term in zip(trainer.reward_func_names[:k], per_func[row].tolist()):
                 rollout.episodes[i].reward_terms[name] = term  # unweighted, as TRL logs rewards/<name>/mean
         return totals
+
+    def _completion(self, i: int) -> Any:
+        """What reward functions receive as episode i's completion: the messages after the prompt (TRL's)."""
+        return self.chats[i][len(self.prompts[i]):]
 
     def _take_reward_logs(self, rollout: Rollout) -> None:
         """What the reward functions logged through TRL's `log_metric` (each name's mean goes into
@@ -413,3 +459,52 @@ class ToolEnvAdapter(EnvAdapter):
             logger.warning(f"reward functions logged log_extra columns {sorted(extra)}; BiPACETrainer's completions "
                            "table has one row per turn and does not show them (log_metric values are logged).")
         extra.clear()
+
+
+class PromptAdapter(ToolEnvAdapter):
+    """Plain GRPO: rows with a "prompt" (text or chat), scored by `reward_funcs`, with no env and no
+    tools. Each row is a one-step episode: the model replies once, the reply ends the episode, and
+    TRL's `_calculate_rewards` scores it as GRPOTrainer would (text prompts get text completions,
+    chat prompts a list holding the assistant message, parsed by `parse_response` where the
+    tokenizer has a response schema). Its state, for dumps and the hash partition, is the prompt."""
+
+    uses_tools = False
+
+    def start(self, envs, tasks: Sequence[TaskRef]):
+        self._new_rollout(tasks)
+        results = envs.reset([{} for _ in tasks]) if tasks else []
+        self.prompts = [row["prompt"] for row in self.rows]
+        self.replies: list[Any] = [None] * len(tasks)
+        for prompt, result in zip(self.prompts, results):
+            if result is not None and not _is_failure(result):
+                text = prompt if isinstance(prompt, str) else _text(prompt[-1]["content"])
+                result.anchor = result.observation = text
+                result.info = {**result.info, "task": text}
+        return results
+
+    def messages(self, i, turn):
+        return self.prompts[i]
+
+    def act(self, i, text, prompt_ids, completion_ids):
+        if isinstance(self.prompts[i], str):
+            reply: Any = text
+        else:
+            tokenizer = self.trainer._tokenizer
+            if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+                from trl.chat_template_utils import parse_response
+
+                reply = [parse_response(tokenizer, list(completion_ids), prefix=list(prompt_ids), tools=None)]
+            else:
+                reply = [{"role": "assistant", "content": text}]
+        return Action(None, True, "answer: " + " ".join(text.lower().split()), reply)
+
+    def step(self, envs, actions):
+        results: list[StepResult | None] = [None] * len(actions)
+        for i, action in enumerate(actions):
+            if action is not None:
+                self.replies[i] = action.parsed
+                results[i] = StepResult(observation="", done=True)
+        return results
+
+    def _completion(self, i: int) -> Any:
+        return self.replies[i]

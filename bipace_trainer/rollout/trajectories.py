@@ -184,17 +184,17 @@ def fill_completion_logs(logs: dict[str, Any], rows: list[dict[str, Any]]) -> No
     """Put `rows` (all ranks') into TRL's `GRPOTrainer._logs`, replacing the previous batch.
 
     TRL prints this table with rich, sends it to wandb / trackio and writes
-    `<output_dir>/completions/completions_<step>.parquet`: prompt = the prompt tail,
-    completion = the reply, one reward column, the advantage, and the rest as extras.
-    TRL sizes its buffers to one generation batch of *episodes*; ours holds a batch of
-    steps, so the buffers are replaced rather than appended to.
+    `<output_dir>/completions/completions_<step>.parquet`: TRL's columns, prompt = the prompt
+    tail, completion = the reply, one reward column and the advantage, readable in an
+    80-column terminal; the rest of a step (task, turn, action, return, cell, branch...) is in
+    the rollout dumps (`rollout_dump_steps`). TRL sizes its buffers to one generation batch of
+    *episodes*; ours holds a batch of steps, so the buffers are replaced rather than appended to.
     """
     logs["prompt"] = deque(row["prompt_tail"] for row in rows)
     logs["completion"] = deque(row["reply"] for row in rows)
     logs["rewards"] = defaultdict(deque, {"reward": deque(row["reward"] for row in rows)})
     logs["advantages"] = deque(row["advantage"] for row in rows)
-    extra_keys = ("task", "turn", "action", "valid", "return", "cluster", "branch", "episode", "group", "rank")
-    logs["extra"] = defaultdict(deque, {key: deque(row[key] for row in rows) for key in extra_keys})
+    logs["extra"] = defaultdict(deque)
     logs["images"] = deque()
 
 

@@ -50,17 +50,13 @@ def test_dumps_and_completion_tables_show_every_step(warm_policy, tmp_path):
             assert raw[t] == pytest.approx(turns[t]["reward"] + gamma * following)
 
     # TRL's completions table of the same step holds the same steps, through TRL's own logging path
+    # TRL's columns only (readable in a terminal); the rest of each step is in the dump
     table = pd.read_parquet(run / "completions" / "completions_00002.parquet")
     assert len(table) == sum(e["turns_taken"] for e in episodes)
-    for column in ("prompt", "completion", "reward", "advantage", "task", "turn", "action", "valid", "return", "cluster",
-                   "branch"):
-        assert column in table.columns, column
-    dumped = {(e["episode"], t["turn"]): t for e in episodes for t in e["turns"]}
-    for row in table.itertuples():
-        turn = dumped[(row.episode, row.turn)]
-        assert (row.completion, row.action, row.advantage, row.branch) == (
-            turn["reply"], turn["action"], pytest.approx(turn["advantage"]), turn["branch"])
-        assert row.prompt == turn["prompt_tail"] and row.prompt.strip()
+    assert set(table.columns) == {"step", "prompt", "completion", "reward", "advantage"}
+    dumped = sorted((t["prompt_tail"], t["reply"], round(t["advantage"], 5)) for e in episodes for t in e["turns"])
+    assert sorted((row.prompt, row.completion, round(row.advantage, 5)) for row in table.itertuples()) == dumped
+    assert all(row.prompt.strip() for row in table.itertuples())
 
     evaluation = read_dump(run / "rollouts" / "eval-final-step-000002.jsonl")
     final = trainer.eval_history[-1]

@@ -81,7 +81,8 @@ def test_steps_reaching_one_state_by_different_tool_sequences_share_a_cell_and_g
     args = BiPACEConfig(
         output_dir=str(tmp_path), preset="gigpo", w_ep=0.0,  # the advantage is the step term alone
         tasks_per_iteration=2, max_turns=5, rollout_dump_steps=1, shuffle_dataset=False, eval_tasks=2,
-        **{**SHARED, "num_generations": 16, "max_steps": 1},
+        # each reply up to 40 tokens, the episode's completion (TRL's cap) up to 1024: paths of several turns
+        **{**SHARED, "num_generations": 16, "max_steps": 1, "max_turn_length": 40, "max_completion_length": 1024},
     )
     trainer = Recording(
         model=model, args=args, processing_class=tokenizer, train_dataset=dataset,

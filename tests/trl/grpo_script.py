@@ -1,14 +1,19 @@
-"""A TRL user's training script, as TRL 1.16's docs write one: GRPOTrainer on an environment_factory env.
+"""A TRL user's training script, as TRL 1.16's docs write one: GRPOTrainer on an environment_factory env,
+or on a plain prompt dataset scored by reward functions.
 
-    python tests/trl/grpo_script.py MODEL_DIR OUTPUT_DIR
+    python tests/trl/grpo_script.py MODEL_DIR OUTPUT_DIR [CASE]
 
 tests/trl/test_trl_parity.py runs this file twice: as it is, and with its import line and the two
 class names switched to bipace_trainer's (`from bipace_trainer import BiPACEConfig, BiPACETrainer`),
-the change the README's "Coming from TRL" promises is all it takes.
+the change the README's "Coming from TRL" promises is all it takes. `CASE` picks what the script does,
+each from TRL's docs: "tools" (the env, the default), "eval" (the env, with an `eval_dataset` evaluated
+every 2 steps), "prompts" (no env, no tools: two reward functions on the prompts, as TRL's quickstart);
+keyword arguments of `main` override the config's.
 """
 
 import sys
 
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
@@ -20,12 +25,27 @@ def brevity(completions, **kwargs) -> list[float]:
     return [1.0 / len(completion) for completion in completions]
 
 
-def main(model_dir: str, output_dir: str):
+def short_reply(completions, **kwargs) -> list[float]:
+    """A user's reward function on plain prompts: fewer characters, more reward."""
+    return [-len(completion[0]["content"]) / 100 for completion in completions]
+
+
+def says_degrees(completions, target, **kwargs) -> list[float]:
+    """A second one, reading a dataset column: the reply names the target temperature."""
+    return [float(str(t) in completion[0]["content"]) for completion, t in zip(completions, target)]
+
+
+def plain_prompts(rows: int) -> Dataset:
+    """The thermostat's prompts, without an env to append an observation: a plain GRPO dataset."""
+    return prompt_dataset(rows)
+
+
+def main(model_dir: str, output_dir: str, case: str = "tools", **config):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     # The tests' tiny tokenizer is a generic fast tokenizer, which AutoTokenizer would rebuild as Qwen2's
     # (other ids); a script for a real model loads AutoTokenizer.from_pretrained(model_dir) here.
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    args = GRPOConfig(
+    settings = dict(
         output_dir=output_dir,
         max_steps=4,
         per_device_train_batch_size=4,
@@ -40,20 +60,23 @@ def main(model_dir: str, output_dir: str):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,  # float32 on a CPU (GRPOConfig's default would autocast to bf16 there; BiPACEConfig's is float32)
         seed=0,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[brevity],
-        args=args,
-        train_dataset=prompt_dataset(8),
-        processing_class=tokenizer,
-        environment_factory=Thermostat,
-    )
+    trainer_arguments = dict(reward_funcs=[brevity], environment_factory=Thermostat, train_dataset=prompt_dataset(8))
+    if case == "eval":  # TRL's evaluation: eval_loss and the eval_* metrics every eval_steps
+        settings.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+        trainer_arguments["eval_dataset"] = prompt_dataset(2)
+    if case == "prompts":  # plain GRPO: prompts and reward functions, no env, no tools
+        settings.update(reward_weights=[1.0, 0.5], max_completion_length=16)
+        trainer_arguments = dict(reward_funcs=[short_reply, says_degrees], train_dataset=plain_prompts(8))
+    settings.update(config)
+    args = GRPOConfig(**settings)
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, **trainer_arguments)
     trainer.train()
     return trainer
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

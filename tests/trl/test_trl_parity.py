@@ -9,22 +9,31 @@ class names switched by the test.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import math
 import re
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
-from bipace_trainer.advantages import StepAdvantageEstimator
+from bipace_trainer.advantages import StepAdvantageEstimator, StepBatch
+from bipace_trainer.advantages.presets import estimate_advantages
+from bipace_trainer.config import GRPO_FIELDS
+from bipace_trainer.rollout.loop import StepRecord
+from bipace_trainer.trl_advantages import grpo_advantages
 from bipace_trainer.rollout.hidden import clamp_layer
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.rollout.tool_envs import check_environment_factory
-from bipace_trainer.trl_metrics import EpisodeSummary, trl_metrics
+from bipace_trainer.trl_metrics import EpisodeSummary, episode_token_count, trl_metrics
 from tests.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
 from tests.trainer.tool_setup import Lamps
 from tests.trl.thermostat import Thermostat, prompt_dataset
@@ -89,7 +98,10 @@ def test_what_cannot_apply_says_so_before_any_model_loads():
     args = BiPACEConfig(**COMMON)
     with pytest.raises(ValueError, match="rollout_func .* pass environment_factory/tools, or env_name"):
         BiPACETrainer(model="no/such-model", args=args, rollout_func=lambda prompts, trainer: {})
-    with pytest.raises(ValueError, match="reward_funcs apply to TRL's environments"):
+    with pytest.raises(ValueError, match="env_name='textcraft' gives its own rewards"):  # named by the script
+        BiPACETrainer(model="no/such-model", args=BiPACEConfig(**COMMON, env_name="textcraft"),
+                      reward_funcs=[lambda completions, **kw: [0.0]])
+    with pytest.raises(ValueError, match="train on train_dataset's prompts, as GRPOTrainer does: pass a train_dataset"):
         BiPACETrainer(model="no/such-model", args=args, reward_funcs=[lambda completions, **kw: [0.0]])
     with pytest.raises(TypeError, match="args must be a BiPACEConfig, got GRPOConfig"):
         BiPACETrainer(model="no/such-model", args=GRPOConfig(**COMMON), environment_factory=Thermostat)
@@ -229,36 +241,55 @@ def thermostat_policy_dir(tmp_path_factory):
     return root
 
 
-def _run_script(source: str, model_dir: Path, output_dir: Path, trainer_class, monkeypatch):
-    """Execute the script's source; count the generations and their episodes as the trainer makes them."""
-    generations = []
+def _run_script(source: str, model_dir: Path, output_dir: Path, trainer_class, monkeypatch, case="tools", **config):
+    """Execute the script's source; count the generations and their episodes as the trainer makes them,
+    and keep each training generation's batch (`trainer.batches`)."""
+    generations, batches = [], []
     original = trainer_class._generate_and_score_completions
 
     def counted(self, inputs):
-        generations.append(len(inputs))
-        return original(self, inputs)
+        output = original(self, inputs)
+        if self.model.training:
+            generations.append(len(inputs))
+            batches.append(output)
+        return output
 
     monkeypatch.setattr(trainer_class, "_generate_and_score_completions", counted)
     namespace = {"__name__": "grpo_script"}
     exec(compile(source, str(SCRIPT), "exec"), namespace)  # noqa: S102 - the test's own script file
-    trainer = namespace["main"](str(model_dir), str(output_dir))
+    trainer = namespace["main"](str(model_dir), str(output_dir), case, **config)
     monkeypatch.setattr(trainer_class, "_generate_and_score_completions", original)
     logged = {key for entry in trainer.state.log_history for key in entry}
+    trainer.batches = batches
     return trainer, generations, logged
 
 
-@pytest.mark.slow
-def test_the_same_script_has_the_same_schedule_and_every_grpo_metric_under_bipace(thermostat_policy_dir, tmp_path, monkeypatch):
+def switched_script() -> tuple[str, str]:
+    """The script as it is, and with the import line and the two class names switched (nothing else)."""
     source = SCRIPT.read_text()
     assert "from trl import GRPOConfig, GRPOTrainer" in source
     switched = source.replace("from trl import GRPOConfig, GRPOTrainer", "from bipace_trainer import BiPACEConfig, BiPACETrainer")
     switched = switched.replace("GRPOConfig(", "BiPACEConfig(").replace("GRPOTrainer(", "BiPACETrainer(")
     changed = [(a, b) for a, b in zip(source.splitlines(), switched.splitlines()) if a != b]
     assert len(changed) == 3  # the import line and the two constructor calls: nothing else
+    return source, switched
 
-    grpo, grpo_generations, grpo_logged = _run_script(source, thermostat_policy_dir, tmp_path / "grpo", GRPOTrainer, monkeypatch)
-    ours, our_generations, our_logged = _run_script(switched, thermostat_policy_dir, tmp_path / "ours", BiPACETrainer, monkeypatch)
+
+def run_both(model_dir, tmp_path, monkeypatch, case="tools", **config):
+    """The script under GRPOTrainer, then under BiPACETrainer: (theirs, ours), each with `logged` keys."""
+    source, switched = switched_script()
+    grpo, grpo_generations, grpo.logged = _run_script(source, model_dir, tmp_path / "grpo", GRPOTrainer, monkeypatch, case, **config)
+    ours, our_generations, ours.logged = _run_script(switched, model_dir, tmp_path / "ours", BiPACETrainer, monkeypatch, case,
+                                                     **config)
     ours.close_envs()
+    grpo.generations, ours.generations = grpo_generations, our_generations
+    return grpo, ours
+
+
+@pytest.mark.slow
+def test_the_same_script_has_the_same_schedule_and_every_grpo_metric_under_bipace(thermostat_policy_dir, tmp_path, monkeypatch):
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch)
+    grpo_generations, our_generations, grpo_logged, our_logged = grpo.generations, ours.generations, grpo.logged, ours.logged
     # the schedule: generations, episodes per generation, optimizer steps
     assert our_generations == grpo_generations == [8, 8]
     assert ours.state.global_step == grpo.state.global_step == 4
@@ -274,3 +305,300 @@ def test_the_same_script_has_the_same_schedule_and_every_grpo_metric_under_bipac
     assert max(e["tools/call_frequency"] for e in entries) > 0
     assert all(0.0 <= e["rewards/Thermostat/mean"] <= 1.0 for e in entries)
     assert ours.state.num_input_tokens_seen > 0 and entries[-1]["num_tokens"] == ours.state.num_input_tokens_seen
+
+
+# --------------------------------------------------------------------------- every GRPOConfig field, honoured or refused
+
+
+def test_every_grpo_config_field_is_in_the_table_of_what_bipace_does_with_it():
+    trainers_own = {f.name for f in dataclasses.fields(TrainingArguments)}  # the Trainer's meaning, unchanged
+    grpos_own = {f.name for f in dataclasses.fields(GRPOConfig)} - trainers_own
+    assert set(GRPO_FIELDS) == grpos_own, "a GRPOConfig field is missing from config.GRPO_FIELDS (or one is gone)"
+    assert all(verdict in ("honoured", "refused") and how.strip() for verdict, how in GRPO_FIELDS.values())
+    assert {f.name for f in dataclasses.fields(GRPOConfig)} <= {f.name for f in dataclasses.fields(BiPACEConfig)}
+
+
+@pytest.mark.parametrize("scale, norm", [("group", "mean_std"), ("none", "mean")])
+def test_scale_rewards_is_the_estimators_normalisation(scale, norm):
+    for preset in ("grpo", "gigpo", "bipace_q", "hgpo"):
+        assert BiPACEConfig(**COMMON, preset=preset, scale_rewards=scale).estimator.norm == norm
+    # TRL's docstring: "none" applies no scaling, "group" divides by the std within the group
+    batch = StepBatch(group=[0] * 4, traj=[0, 1, 2, 3], t=[0] * 4, reward=[1.0, 0.0, 0.0, 0.0], valid=[True] * 4,
+                      anchor=["s"] * 4, action_key=["a"] * 4)
+    advantage = estimate_advantages(batch, BiPACEConfig(**COMMON, preset="grpo", scale_rewards=scale).estimator).advantage
+    divisor = 0.5 + 1e-6 if scale == "group" else 1.0  # std of (1, 0, 0, 0), unbiased: 0.5
+    assert advantage.tolist() == pytest.approx([0.75 / divisor] + [-0.25 / divisor] * 3)
+
+
+def test_scale_rewards_and_advantage_norm_that_contradict_each_other_stop_the_config():
+    with pytest.raises(ValueError, match="scale_rewards='none' asks for advantage_norm='mean' but advantage_norm='mean_std'"):
+        BiPACEConfig(**COMMON, scale_rewards="none", advantage_norm="mean_std")
+    assert BiPACEConfig(**COMMON, advantage_norm="mean").estimator.norm == "mean"  # TRL's default "group" yields to ours
+
+
+def test_reward_settings_with_no_step_level_form_are_refused_on_multi_turn_episodes_before_loading():
+    with pytest.raises(ValueError, match="scale_rewards='batch' divides by one std over the whole batch"):
+        BiPACETrainer(model="no/such-model", args=BiPACEConfig(**COMMON, scale_rewards="batch"), environment_factory=Thermostat)
+    with pytest.raises(ValueError, match="multi_objective_aggregation='normalize_then_sum' normalises each reward"):
+        BiPACETrainer(model="no/such-model", args=BiPACEConfig(**COMMON, multi_objective_aggregation="normalize_then_sum"),
+                      environment_factory=Thermostat)
+    with pytest.raises(ValueError, match="reward_weights weigh reward_funcs, and env_name='textcraft' gives one reward"):
+        BiPACETrainer(model="no/such-model", args=BiPACEConfig(**COMMON, env_name="textcraft", reward_weights=[2.0]))
+    with pytest.raises(ValueError, match="max_turn_length=64 must be >= 1 and at most max_completion_length"):
+        BiPACEConfig(**COMMON, max_turn_length=64, max_completion_length=32)
+
+
+# --------------------------------------------------------------------------- GRPOTrainer's advantage of one-step episodes
+
+
+def _reference_advantages(rows, weights, group_size, scale, aggregation):
+    """TRL's documented advantage, one row at a time in plain Python (None: the function returned None)."""
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    def std(values):  # unbiased; undefined (None) below two values, which TRL's NaN turns into advantage 0
+        values = [v for v in values if v is not None]
+        if len(values) < 2:
+            return None
+        m = sum(values) / len(values)
+        return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+    def group_of(values, i):
+        start = i // group_size * group_size
+        return values[start:start + group_size]
+
+    unscorable = [all(r is None for r in row) for row in rows]
+    if aggregation == "sum_then_normalize":
+        total = [None if u else sum(w * r for w, r in zip(weights, row) if r is not None) for row, u in zip(rows, unscorable)]
+        out = []
+        for i, value in enumerate(total):
+            if value is None:
+                out.append(0.0)
+                continue
+            centred = value - mean(group_of(total, i))
+            spread = std(total) if scale == "batch" else std(group_of(total, i))
+            out.append(centred if scale == "none" else 0.0 if spread is None else centred / (spread + 1e-4))
+        return out
+    summed = []
+    for i, row in enumerate(rows):
+        terms = []
+        for k, (w, r) in enumerate(zip(weights, row)):
+            column = group_of([other[k] for other in rows], i)
+            spread = std(column)
+            if r is not None and spread is not None:
+                terms.append(w * (r - mean(column)) / (spread + 1e-4))
+        summed.append(None if unscorable[i] else sum(terms))
+    spread, centre = std(summed), mean(summed)
+    return [0.0 if v is None or spread is None else (v - centre) / (spread + 1e-4) for v in summed]
+
+
+def test_grpo_advantages_match_a_hand_computation():
+    one = torch.tensor([[1.0], [0.0], [0.0], [0.0], [1.0], [1.0], [1.0], [1.0]])
+    weights = torch.tensor([1.0])
+    assert grpo_advantages(one, weights, 4, "none").tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0])
+    assert grpo_advantages(one, weights, 4, "group").tolist()[:4] == pytest.approx([0.75 / 0.5001] + [-0.25 / 0.5001] * 3)
+    batch_std = math.sqrt(120 / 448)  # the std of all eight rewards, unbiased
+    assert grpo_advantages(one, weights, 4, "batch").tolist()[:4] == pytest.approx(
+        [0.75 / (batch_std + 1e-4)] + [-0.25 / (batch_std + 1e-4)] * 3)
+    nan = float("nan")
+    unscorable = torch.tensor([[nan], [1.0], [0.0], [0.5]])
+    assert grpo_advantages(unscorable, weights, 4, "none").tolist() == pytest.approx([0.0, 0.5, -0.5, 0.0])
+
+
+rewards = st.sampled_from([None, -1.0, 0.0, 0.25, 0.5, 1.0, 2.0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(), group_size=st.integers(2, 4), groups=st.integers(1, 3), functions=st.integers(1, 3),
+    scale=st.sampled_from(["group", "batch", "none"]), aggregation=st.sampled_from(["sum_then_normalize", "normalize_then_sum"]),
+)
+def test_grpo_advantages_equal_the_plain_python_reference(data, group_size, groups, functions, scale, aggregation):
+    rows = [data.draw(st.lists(rewards, min_size=functions, max_size=functions)) for _ in range(group_size * groups)]
+    weights = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=functions, max_size=functions))
+    # in float64: a batch std near 0 divides by about 1e-4, where float32 rounding alone moves the result
+    table = torch.tensor([[float("nan") if r is None else r for r in row] for row in rows], dtype=torch.float64)
+    ours = grpo_advantages(table, torch.tensor(weights, dtype=torch.float64), group_size, scale, aggregation)
+    assert ours.tolist() == pytest.approx(_reference_advantages(rows, weights, group_size, scale, aggregation), rel=1e-6, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- TRL's token count, our own next to it
+
+
+def test_num_tokens_counts_each_token_the_model_processed_once():
+    grown = [  # a chat that only grew: TRL's one prompt (3 tokens) and completion (5, 6 are a tool result)
+        StepRecord(0, 0, 0, [1, 2, 3], [4, 5], "", "", True, None, "", 0.0),
+        StepRecord(0, 0, 1, [1, 2, 3, 4, 5, 6, 7], [8], "", "", True, None, "", 0.0),
+    ]
+    assert episode_token_count(grown) == 3 + 5
+    rebuilt = [  # our envs' history window: the second prompt is rebuilt, only its first token repeats
+        StepRecord(0, 1, 0, [1, 2, 3], [4], "", "", True, None, "", 0.0),
+        StepRecord(0, 1, 1, [1, 9, 9, 9], [5], "", "", True, None, "", 0.0),
+    ]
+    assert episode_token_count(rebuilt) == (3 + 1) + (3 + 1)
+    assert episode_token_count(grown + rebuilt) == 8 + 8  # each episode against its own previous turn
+
+
+# --------------------------------------------------------------------------- credit on look-alike states
+
+
+class Rooms:
+    """Two rooms; the key is in neither, and looking says so in the same words in both."""
+
+    def reset(self, **kwargs) -> str:
+        self.room = "hall"
+        return "You are in the hall."
+
+    def look(self) -> str:
+        """
+        Look around the room.
+
+        Returns:
+            What the room holds.
+        """
+        return "There is no key here."
+
+    def go_east(self) -> str:
+        """
+        Walk into the east room.
+
+        Returns:
+            Where you are.
+        """
+        self.room = "east room"
+        return "You are in the east room."
+
+
+def test_identical_text_in_different_states_shares_a_cell_under_exact_matching_not_under_hidden_states(tokenizer):  # noqa: F811
+    from bipace_trainer.models import tiny_qwen2
+
+    scripts = [[call("look"), "Done."], [call("go_east"), call("look"), "Done."]]
+    rollout, _ = play(tokenizer, Rooms, scripts)
+    after_look = [i for i, step in enumerate(rollout.steps) if step.anchor == "There is no key here."]
+    assert len(after_look) == 2 and {rollout.steps[i].traj for i in after_look} == {0, 1}  # the hall; the east room
+    gigpo = estimate_advantages(rollout.step_batch(), BiPACEConfig(**COMMON, preset="gigpo").estimator)
+    assert gigpo.cell[after_look[0]] == gigpo.cell[after_look[1]]  # one cell for two states: exact text matching
+    # the hidden partition reads the model's state at the prompt's last token, and the prompts differ
+    # (one holds the walk east): a fixed ε of 0 parts every two prompts that differ at all
+    model = tiny_qwen2(tokenizer, layers=2).eval()
+    with torch.no_grad():
+        for step in rollout.steps:
+            out = model(torch.tensor([step.prompt_ids]), output_hidden_states=True)
+            step.hidden = out.hidden_states[-1][0, -1]
+    bigpo = estimate_advantages(rollout.step_batch(), BiPACEConfig(**COMMON, preset="bigpo", cluster_eps="0.0").estimator)
+    assert bigpo.cell[after_look[0]] != bigpo.cell[after_look[1]]
+
+
+# --------------------------------------------------------------------------- the same script, more of TRL's cases
+
+
+@pytest.mark.slow
+def test_eval_dataset_with_eval_strategy_steps_logs_trls_eval_loss_and_eval_metrics(thermostat_policy_dir, tmp_path, monkeypatch):
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case="eval")
+    grpo_eval = {key for key in grpo.logged if key.startswith("eval_")}
+    assert {"eval_loss", "eval_reward", "eval_num_tokens", "eval_completions/mean_length"} <= grpo_eval
+    assert grpo_eval - ours.logged == set()  # every eval_* key GRPOTrainer logged, under the same name
+    evals = [entry for entry in ours.state.log_history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evals] == [2, 4] and all(math.isfinite(entry["eval_loss"]) for entry in evals)
+    assert all(0.0 <= entry["eval_rewards/Thermostat/mean"] <= 1.0 for entry in evals)
+    # TRL's evaluation leaves the training's counters alone: the token count and the estimator's calls
+    assert [e for e in ours.state.log_history if "num_tokens" in e][-1]["num_tokens"] == ours.state.num_input_tokens_seen
+    assert ours.estimator.num_calls == len(ours.generations)
+
+
+def _completions(batch) -> list[list[int]]:
+    ids, mask = batch["completion_ids"], batch["completion_mask"]
+    rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    return [row for row, m in zip(rows, mask) if m.any()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    {}, {"scale_rewards": "none"}, {"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"},
+], ids=["default", "scale-none", "scale-batch", "normalize-then-sum"])
+def test_a_plain_grpo_script_trains_as_grpo_trainer_does(config, thermostat_policy_dir, tmp_path, monkeypatch):
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case="prompts", max_steps=2, **config)
+    assert ours.generations == grpo.generations == [8] and ours.state.global_step == grpo.state.global_step == 2
+    theirs, mine = grpo.batches[0], ours.batches[0]
+    # the same seed samples the same completions, scored by the same reward functions...
+    assert _completions(mine) == _completions(theirs)
+    # ... so each completion, a one-step episode, gets GRPOTrainer's advantage, and the same loss follows
+    assert mine["advantages"][: len(theirs["advantages"])].tolist() == pytest.approx(theirs["advantages"].tolist(), abs=1e-6)
+    assert float(theirs["advantages"].abs().sum()) > 0  # the rewards differ within a group: there is something to match
+    their_logs, our_logs = ([e for e in t.state.log_history if "loss" in e] for t in (grpo, ours))
+    assert [e["loss"] for e in our_logs] == pytest.approx([e["loss"] for e in their_logs], rel=1e-4, abs=1e-6)
+    their_logs, our_logs = ([e for e in t.state.log_history if "reward" in e] for t in (grpo, ours))  # a generation's
+    for key in ("reward", "reward_std", "rewards/short_reply/mean", "rewards/says_degrees/mean", "num_tokens",
+                "frac_reward_zero_std", "completions/mean_length"):
+        assert [e[key] for e in our_logs] == pytest.approx([e[key] for e in their_logs], rel=1e-4, abs=1e-6), key
+    assert grpo.logged - ours.logged == set()
+
+
+@pytest.mark.slow
+def test_max_completion_length_caps_a_tool_episodes_whole_completion_and_max_turn_length_each_reply(
+    thermostat_policy_dir, tmp_path, monkeypatch
+):
+    recorded = []
+    monkeypatch.setattr(BiPACETrainer, "on_rollout", lambda self, rollout, advantages, diagnostics: recorded.append(rollout))
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, max_completion_length=64, max_steps=2)
+    for trainer in (grpo, ours):
+        assert max(e["completions/max_length"] for e in trainer.state.log_history if "completions/max_length" in e) <= 64
+    first_prompt, longest = {}, 0
+    for step in recorded[0].steps:
+        first_prompt.setdefault(step.traj, len(step.prompt_ids))
+        # every token after the episode's first prompt, replies and tool results, within TRL's budget
+        longest = max(longest, len(step.prompt_ids) + len(step.completion_ids) - first_prompt[step.traj])
+    # a second turn ran after a reply and its tool result (about 50 tokens), within what the 64 left
+    assert any(step.t > 0 for step in recorded[0].steps) and 48 < longest <= 64
+    # a per-turn cap of its own, below the episode's
+    args = BiPACEConfig(**{**COMMON, "output_dir": str(tmp_path / "turns")}, max_completion_length=48, max_turn_length=5,
+                        per_device_train_batch_size=4, num_generations=4, max_steps=1)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(thermostat_policy_dir)
+    trainer = BiPACETrainer(model=str(thermostat_policy_dir), args=args, processing_class=tokenizer,
+                            train_dataset=prompt_dataset(4), environment_factory=Thermostat)
+    trainer.on_rollout = lambda rollout, advantages, diagnostics: recorded.append(rollout)
+    trainer.train()
+    trainer.close_envs()
+    assert trainer.generation_config.max_new_tokens == 5
+    assert all(len(step.completion_ids) <= 5 for step in recorded[-1].steps)
+
+
+@pytest.mark.slow
+def test_a_skipped_batch_logs_trls_loss_metrics_as_numbers(thermostat_policy_dir, tmp_path):
+    args = BiPACEConfig(**{**COMMON, "output_dir": str(tmp_path)}, max_steps=2, per_device_train_batch_size=4,
+                        num_generations=4, generation_batch_size=8, max_completion_length=8, beta=0.04, logging_steps=1,
+                        disable_tqdm=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(thermostat_policy_dir)
+    model = AutoModelForCausalLM.from_pretrained(thermostat_policy_dir)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = BiPACETrainer(model=model, args=args, processing_class=tokenizer, train_dataset=prompt_dataset(8),
+                            reward_funcs=[lambda completions, **kwargs: [1.0] * len(completions)])  # no signal at all
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["train/skipped_batches"] for entry in logs if "train/skipped_batches" in entry] == [1.0]
+    for entry in logs:
+        names = ["entropy", "kl", *(f"clip_ratio/{n}" for n in ("low_mean", "high_mean", "region_mean", "low_min", "high_max"))]
+        assert all(isinstance(entry[name], float) and math.isfinite(entry[name]) for name in names), entry
+        assert all(entry[f"clip_ratio/{n}"] == 0.0 for n in ("low_mean", "high_mean", "region_mean"))  # zero advantages
+        assert entry["entropy"] > 0
+    assert all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())  # still no update
+
+
+@pytest.mark.slow
+def test_our_envs_take_trls_eval_dataset_and_keep_their_per_reply_cap(warm_policy, tmp_path):
+    from bipace_trainer import task_dataset
+    from tests.trainer.tiny_setup import TINY_ENV_KWARGS, tiny_args
+
+    model, tokenizer = warm_policy
+    args = tiny_args(tmp_path, preset="gigpo", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4,
+                     evaluate_before_training=False)
+    trainer = BiPACETrainer(model, args=args, processing_class=tokenizer,
+                            eval_dataset=task_dataset("tiny", "valid", TINY_ENV_KWARGS, limit=2))
+    assert trainer.generation_config.max_new_tokens == args.max_completion_length == 16  # max_turn_length unset
+    trainer.train()
+    trainer.close_envs()
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(evals) == 1 and math.isfinite(evals[0]["eval_loss"])
+    assert {"eval_episode/success_rate", "eval_reward", "eval_rewards/env_reward/mean", "eval_advantage/std"} <= set(evals[0])
