@@ -23,7 +23,7 @@ ALLOWED = {
     "run": {"rollout", "advantages", "reports", "models"},
     "cli": {
         "advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics",
-        "memory", "trl_compat", "shared_prefix",
+        "memory", "trl_compat", "shared_prefix", "trl_advantages",
     },
     "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
@@ -32,9 +32,10 @@ ALLOWED = {
     "memory": {"trl_compat"},
     "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
     "shared_prefix": set(),
+    "trl_advantages": set(),  # GRPOTrainer's own advantage for one-step (plain prompt) episodes
     "trainer": {
         "advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory", "trl_compat",
-        "shared_prefix",
+        "shared_prefix", "trl_advantages",
     },
     "__init__": {"config", "trainer", "rollout"},
 }
