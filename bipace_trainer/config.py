@@ -463,8 +463,7 @@ class BiPACEConfig(GRPOConfig):
     max_turn_length: int | None = field(
         default=None,
         metadata={
-            "help": "Most tokens of one reply (turn); None: max_completion_length. TRL's envs: max_completion_length "
-            "caps the whole episode's completion, as TRL; env_name envs: it caps each reply unless this is set."
+            "help": "Tokens per reply (None: max_completion_length, which caps a TRL env's whole episode)."
         },
     )
     history_length: int = field(default=2, metadata={"help": "Observation/action pairs of history in each prompt."})

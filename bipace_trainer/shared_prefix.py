@@ -37,8 +37,8 @@ tokens (masked), which is small next to the linear layers at these lengths.
 **Pieces.** The update runs a micro-batch in pieces (`micro_batches`). Here the rows are cut in the
 order of their token sequences (so an episode's turns and a group's rows share a piece) into pieces
 whose packed tokens stay within what the plain path's largest piece forwards
-(`per_device_train_batch_size` × the longest row); under DDP every rank makes as many pieces as the
-rank that needs the most (each forward is a collective), splitting its largest pieces.
+(`per_device_train_batch_size` × the longest row). On several processes the pieces are the plain
+path's, each packed: TRL's loss gathers once per piece, so every rank must make as many.
 
 **Exactness.** The same tokens at the same relative positions: log-probs, entropies, the loss and the
 gradients equal the plain path's to float rounding (tests/test_shared_prefix.py, and 2 processes in
@@ -389,16 +389,15 @@ class SharedPrefixForward:
         return _unsort(parts, input_ids.size(0), compute_entropy) + (None,)
 
     def pieces(self, inputs: dict[str, Any], size: int) -> list[list[int]] | None:
-        """Row indices of the update's pieces (`group_rows`, as many on every rank), or None for the
-        plain pieces (`micro_batches.split_rows`)."""
-        if not self.enabled:
+        """Row indices of the update's pieces (`group_rows`: rows that share a prefix forwarded together),
+        or None for the plain pieces (`micro_batches.split_rows`; always on several processes)."""
+        if not self.enabled or self.trainer.accelerator.num_processes > 1:
+            # Several processes keep the plain pieces (as many on every rank, as the plain path makes
+            # them) and pack within each: regrouped pieces could number differently on each rank, and
+            # TRL's loss gathers once per piece (a gloo size mismatch, seen on 2 processes).
             return None
         sequences = plain_equivalent_rows(inputs)
-        budget = size * max(len(s) for s in sequences)
-        runs = group_rows(sequences, budget)
-        if self.trainer.accelerator.num_processes > 1:
-            runs = group_rows(sequences, budget, count=self.trainer._sync.max(len(runs)))
-        return runs
+        return group_rows(sequences, size * max(len(s) for s in sequences))
 
     def _count(self, plan: Plan, attention_mask: torch.Tensor) -> None:
         self.stats["calls"] += 1
@@ -412,18 +411,17 @@ class SharedPrefixForward:
     @torch.no_grad()
     def _check(self, model, input_ids, attention_mask, logits_to_keep, plain, rows) -> bool:
         """Compare the packed layout with TRL's plain path on this call's rows once, in eval mode (no
-        dropout); on a mismatch on any rank, warn and turn the feature off for the rest of the run (every
-        rank makes its first call together: the update's first piece or the old-logprob pass)."""
+        dropout); on a mismatch, warn and turn the feature off on this rank for the rest of the run."""
         self.checked = True
         error = self._layout_error(model, input_ids, attention_mask, logits_to_keep, plain) if rows else 0.0
         tolerance = max(1e-3, 64 * torch.finfo(self._dtype(model)).eps)
         bad = not (math.isfinite(error) and error <= tolerance)
-        if not self.trainer._sync.any(bad):
+        if not bad:  # each rank decides alone: both paths give the same numbers, so ranks may differ
             return True
         self.enabled = False
         logger.warning(
             f"shared_prefix is off: the packed forward's log-probs differ from the plain path's by {error:.3g} "
-            f"(tolerance {tolerance:.3g}) on this model (or another rank's); training continues on the plain path."
+            f"(tolerance {tolerance:.3g}) on this model; training continues on the plain path."
         )
         return False
 

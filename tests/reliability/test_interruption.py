@@ -132,6 +132,8 @@ def run_main(model_dir, out, monkeypatch, sigterm_at, **overrides):
 
     hub = RecordingHubApi()
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    # the stand-in is the Hub here: the pre-flight's token and network check has nothing to reach
+    monkeypatch.setattr(train.preflight, "check_hub_access", lambda repo: None)
     monkeypatch.setenv("SIGTERM_AT", sigterm_at)
     monkeypatch.setattr(SigtermEnv, "sent", False)
     args = tiny_args(out, env_name="tests.reliability.faulty_envs:SigtermEnv", env_kwargs={}, preset="grpo",

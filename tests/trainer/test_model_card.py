@@ -27,6 +27,8 @@ def test_the_card_pushed_with_a_recipe_run(warm_policy_dir, tmp_path, monkeypatc
 
     hub = RecordingHubApi()
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    # the stand-in is the Hub here: the pre-flight's token and network check has nothing to reach
+    monkeypatch.setattr(train.preflight, "check_hub_access", lambda repo: None)
     path, recipe = shrunk_recipe(tmp_path, warm_policy_dir, max_steps=1, save_strategy="no", push_to_hub=True,
                                  hub_model_id="tiny-agent")
     summary = train.main(*train.parse_args(["--config", str(path)]))
