@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from trl import GRPOConfig
@@ -20,22 +19,7 @@ from envs.vector import BACKENDS
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 from .rollout.loop import ROLLOUT_MODES
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "printing_only"]
-
-# Set while `train.py --print_config` parses: the config is printed, not run, so the checks that
-# touch the machine (a GPU for bf16) or the env's data (listing ALFWorld tasks generates games) wait for the run.
-_PRINTING_ONLY = False
-
-
-@contextlib.contextmanager
-def printing_only():
-    """Build configs to print them: skip the device check and the env's task listing (see `_PRINTING_ONLY`)."""
-    global _PRINTING_ONLY
-    saved, _PRINTING_ONLY = _PRINTING_ONLY, True
-    try:
-        yield
-    finally:
-        _PRINTING_ONLY = saved
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS"]
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 DEFAULT_ENV = "textcraft"
@@ -414,6 +398,43 @@ class BiPACEConfig(GRPOConfig):
         metadata={"help": "Every k optimizer steps write the episodes to <output_dir>/rollouts/step-<k>.jsonl (0: never)."},
     )
 
+    @classmethod
+    def for_trainer(cls, model, args, rollout_func, reward_funcs, trl_envs: bool) -> "BiPACEConfig":
+        """`BiPACETrainer`'s `args` (a default config named after the model when None, as GRPOTrainer does),
+        with what the trainer cannot take refused: `rollout_func`, a config of another type, our envs
+        (`env_name`) when unavailable, and `reward_funcs` with our envs (which give their own rewards)."""
+        if rollout_func is not None:
+            raise ValueError(
+                "rollout_func replaces TRL's generation with one sample per prompt; BiPACETrainer plays the multi-turn "
+                "rollout itself (one sample per env step): pass environment_factory/tools, or env_name, instead."
+            )
+        if args is None:
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+            args = cls(f"{str(name).rstrip('/').split('/')[-1]}-BiPACE")
+        if not isinstance(args, BiPACEConfig):
+            raise TypeError(
+                f"args must be a BiPACEConfig, got {type(args).__name__}: BiPACEConfig takes every GRPOConfig "
+                "argument, so build it with the same arguments."
+            )
+        if not trl_envs:
+            args.require_env()
+            if reward_funcs is not None:
+                raise ValueError(
+                    f"reward_funcs apply to TRL's environments (environment_factory or tools); env_name={args.env_name!r} "
+                    "gives its own rewards. Drop reward_funcs, or add the reward inside the env."
+                )
+        return args
+
+    # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
+    # returns) skips the checks that touch the machine (a GPU for bf16) or the env's data (listing
+    # ALFWorld's tasks generates its games); they wait for the run.
+    printing_only: ClassVar[bool] = False
+
+    @classmethod
+    def for_printing(cls) -> type:
+        """This config's class with the machine and data checks skipped: what `--print_config` parses into."""
+        return type(f"Printed{cls.__name__}", (cls,), {"printing_only": True, "__doc__": cls.__doc__})
+
     def __post_init__(self):
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             # TRL's convention: `--resume_from_checkpoint true` resumes from the latest checkpoint in output_dir.
@@ -446,7 +467,7 @@ class BiPACEConfig(GRPOConfig):
             # TRL defaults to bf16, which transformers refuses on a CPU-only machine: train in fp32 there.
             self.bf16 = False
         precision = (self.bf16, self.fp16)
-        if _PRINTING_ONLY:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
+        if self.printing_only:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
             self.bf16 = self.fp16 = False
         try:
             super().__post_init__()
@@ -463,8 +484,13 @@ class BiPACEConfig(GRPOConfig):
                 f"{self.tasks_per_iteration} × {self.num_generations}: pick per_device_train_batch_size "
                 f"({self.per_device_train_batch_size}) × processes so that it divides that product."
             ) from None
-        if _PRINTING_ONLY:
+        if self.printing_only:
             self.bf16, self.fp16 = precision
+        self._check_task_groups(ours)
+
+    def _check_task_groups(self, ours: bool) -> None:
+        """`tasks_per_iteration` agrees with TRL's batch (derived from it when unset), and no task group
+        is split across ranks."""
         if not ours:
             self.tasks_per_iteration = self.generation_batch_size // self.num_generations
         elif self.generation_batch_size != self.tasks_per_iteration * self.num_generations:
@@ -583,7 +609,7 @@ class BiPACEConfig(GRPOConfig):
             ) from None
         except ValueError:  # no introspectable signature (a builtin or C factory): the env build will tell
             pass
-        if _PRINTING_ONLY:  # listing tasks can build data (ALFWorld generates its games)
+        if self.printing_only:  # listing tasks can build data (ALFWorld generates its games)
             return
         for name in ("train_split", "eval_split"):
             split = getattr(self, name)

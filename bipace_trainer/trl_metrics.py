@@ -131,3 +131,20 @@ def trl_metrics(episodes: Sequence[EpisodeSummary], reward_func_names: Sequence[
     flat = [len(set(values)) == 1 for values in by_group.values() for _ in values]
     out["frac_reward_zero_std"] = sum(flat) / len(flat) if flat else nan
     return out
+
+
+def generation_trl_metrics(
+    rollout, reward_func_names: Sequence[str], stop_token_ids: Sequence[int], accelerator, *, single_source: str | None,
+    failed_scored: bool, tools: bool,
+) -> tuple[dict[str, float], int]:
+    """GRPOTrainer's own metrics of one generation over every rank (`summarise_episodes` → `trl_metrics`)
+    and the tokens (prompt + completion) its steps hold over every rank, for TRL's `num_input_tokens_seen`."""
+    from accelerate.utils import gather_object
+
+    summaries = summarise_episodes(
+        rollout, stop_token_ids, rank=accelerator.process_index, single_source=single_source, failed_scored=failed_scored
+    )
+    tokens = torch.tensor([sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        summaries = gather_object(summaries)
+    return trl_metrics(summaries, reward_func_names, tools=tools), int(accelerator.gather(tokens).sum())

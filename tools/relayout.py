@@ -216,7 +216,7 @@ SKIP = GENERATED | {"tools/relayout.py", "tests/test_layout.py"}  # these name t
 OLD = {f"{PACKAGE}.{old}": f"{PACKAGE}.{new}" for old, new in MOVES.items()}
 PACKAGES = {f"{PACKAGE}.{name}" for name in SUBPACKAGE_DOCS}  # `bipace_trainer.rollout`: a real package now
 # modules written inside rollout/ after the move: no old flat path, and never `rollout.loop.<name>`
-BORN_IN_ROLLOUT = {"overlap", "vllm_stream", "prefix_cache"}
+BORN_IN_ROLLOUT = {"overlap", "vllm_stream", "prefix_cache", "policy"}
 ROLLOUT_SUBMODULES = {new.split(".")[1] for new in MOVES.values() if new.startswith("rollout.")} | BORN_IN_ROLLOUT
 
 

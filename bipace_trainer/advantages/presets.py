@@ -436,14 +436,19 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
     diagnostics["time/estimator_s"] = time.perf_counter() - start
     estimate = StepEstimate(advantage.to(torch.float32), diagnostics)
     if per_step:
-        if returns is None:  # no step term computed them
-            returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, settings.invalid_penalty)
-        estimate.step_return = returns
-        estimate.cell = partition.cell if partition is not None else None
-        estimate.branch = step_result.branch if step_result is not None else None
-        estimate.levels = step_result.levels if step_result is not None else None
-        estimate.gae = step_result.gae if step_result is not None else None
+        _add_per_step(estimate, batch, layout, settings, returns, partition, step_result)
     return estimate
+
+
+def _add_per_step(estimate: StepEstimate, batch, layout, settings, returns, partition, step_result) -> None:
+    """What `per_step=True` adds to `estimate`: each step's return, cell, branch, levels and GAE terms."""
+    if returns is None:  # no step term computed them
+        returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, settings.invalid_penalty)
+    estimate.step_return = returns
+    estimate.cell = partition.cell if partition is not None else None
+    estimate.branch = step_result.branch if step_result is not None else None
+    estimate.levels = step_result.levels if step_result is not None else None
+    estimate.gae = step_result.gae if step_result is not None else None
 
 
 class StepAdvantageEstimator:

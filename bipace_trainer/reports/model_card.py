@@ -175,7 +175,6 @@ def model_card(
     `trackers`: lines for the tracking section (default: `tracker_links`).
     """
     base, hub_id = _base_model(getattr(model.config, "_name_or_path", "") or "")
-    est = args.estimator
     peft = getattr(model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()
@@ -203,19 +202,12 @@ def model_card(
         f"max turns {args.max_turns}, history {args.history_length}",
         "- tracking: " + ("; ".join(trackers) if trackers else "none"),
         "",
-        "## Estimator",
-        f"- preset: `{args.preset}`; partition `{est.partition}`, baseline `{est.baseline}`, "
-        f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.gamma}, norm `{est.norm}`",
-        f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
+        *_estimator_lines(args, eps),
         "",
         "## Evaluation",
         *_evaluation(args, eval_history, report_key),
         "",
-        "## Use",
-        "```python",
-        "from peft import AutoPeftModelForCausalLM" if peft else "from transformers import AutoModelForCausalLM",
-        f"model = {'AutoPeftModelForCausalLM' if peft else 'AutoModelForCausalLM'}.from_pretrained({model_name!r})",
-        "```",
+        *_use_lines(model_name, bool(peft)),
         "",
         "## Citation",
         "The methods behind this preset:",
@@ -224,3 +216,23 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def _estimator_lines(args, eps: float | None) -> list[str]:
+    est = args.estimator
+    return [
+        "## Estimator",
+        f"- preset: `{args.preset}`; partition `{est.partition}`, baseline `{est.baseline}`, "
+        f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.gamma}, norm `{est.norm}`",
+        f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
+    ]
+
+
+def _use_lines(model_name: str, peft: bool) -> list[str]:
+    return [
+        "## Use",
+        "```python",
+        "from peft import AutoPeftModelForCausalLM" if peft else "from transformers import AutoModelForCausalLM",
+        f"model = {'AutoPeftModelForCausalLM' if peft else 'AutoModelForCausalLM'}.from_pretrained({model_name!r})",
+        "```",
+    ]
