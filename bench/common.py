@@ -29,7 +29,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.rollout.prompting import build_prompt
-from envs.base import StepResult, TaskSpec, TextEnv, make_env, normalise_action, register_env, resolve_env_class
+from envs.base import StepResult, TaskSpec, TextEnv, normalise_action, register_env, resolve_env_class
+from envs.factory import make_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

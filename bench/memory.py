@@ -27,6 +27,7 @@ a fix that changes the job's numbers shows up next to the memory it saves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
@@ -94,7 +95,7 @@ def child(variant: str, train_args: list[str]) -> None:
 
     trim = variant.endswith("_trim")
     if VARIANTS[variant][0]:
-        memory.bound_cpu_memory = lambda device: False
+        memory.bound_cpu_memory = lambda device: contextlib.nullcontext(False)
     _wrap(models, "embedded_model_path", "model_path", trim)  # the GGUF conversion, on a cold cache
     _wrap(AutoModelForCausalLM, "from_pretrained", "model_load", trim)
     _wrap(evaluation, "evaluate_policy", "evaluation", trim)

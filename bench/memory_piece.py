@@ -6,7 +6,7 @@
 
 `positions=all` is TRL's CPU path (every position through the LM head), `positions=labelled` (the
 default) the trainer's: only the 40 completion positions of each row
-(`bipace_trainer.memory.score_labelled_positions_only`).
+(`bipace_trainer.trl_compat.labelled_positions_on_cpu`).
 
 Prints one line: the RSS of the loaded model and the piece's peak above it (forward, forward and
 backward; sampled every 10 ms in a thread), the seconds, and the log-probs' sum (the same for
@@ -17,6 +17,7 @@ measures the whole job).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -30,16 +31,17 @@ def main(argv: list[str]) -> str:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bipace_trainer import memory
+    from bipace_trainer import memory, trl_compat
     from bipace_trainer.models import embedded_model_path
 
     model = AutoModelForCausalLM.from_pretrained(str(embedded_model_path()))
     trl_utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    bounds = contextlib.ExitStack()  # held to the end of this process (one setting per process)
     if settings.get("tiles", "small") == "small":
-        memory.bound_logprob_tiles("cpu")
+        bounds.enter_context(trl_compat.logprob_tiles("cpu", memory.LOGPROB_TOKEN_TILE, memory.LOGPROB_VOCAB_TILE))
     if settings.get("positions", "labelled") == "labelled":
-        memory.score_labelled_positions_only("cpu")
+        bounds.enter_context(trl_compat.labelled_positions_on_cpu("cpu"))
     if settings.get("checkpointing", "on") == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

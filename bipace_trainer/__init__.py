@@ -9,18 +9,18 @@ The trainer pulls in TRL and transformers; they are imported on first use, so
 __all__ = ["BiPACEConfig", "BiPACETrainer", "task_dataset"]
 __version__ = "0.1.0"
 
-from ._old_paths import install as _install_old_paths
-
-_install_old_paths()  # the flat layout's module paths, for one release
-
 
 def __getattr__(name):
     if name == "BiPACEConfig":
         from .config import BiPACEConfig
 
         return BiPACEConfig
-    if name in ("BiPACETrainer", "task_dataset"):
-        from . import trainer
+    if name == "BiPACETrainer":
+        from .trainer import BiPACETrainer
 
-        return getattr(trainer, name)
+        return BiPACETrainer
+    if name == "task_dataset":
+        from .rollout.collector import task_dataset
+
+        return task_dataset
     raise AttributeError(f"module 'bipace_trainer' has no attribute {name!r}")

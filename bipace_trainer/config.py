@@ -103,7 +103,7 @@ class BiPACEConfig(GRPOConfig):
     r"""
     Configuration for [`BiPACETrainer`]: every field of TRL's `GRPOConfig`, plus:
 
-    > Parameters that control the step-level advantage estimator (SPEC §2–§4)
+    > Parameters that control the step-level advantage estimator (docs/concepts/math.md)
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q` (or one added with

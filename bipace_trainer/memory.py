@@ -1,7 +1,8 @@
 """Bounds on a CPU training process's resident memory and LM-head work (measured in `bench/memory.py`
 and `bench/memory_piece.py`, see docs/memory.md).
 
-    bound_cpu_memory(device)    # BiPACETrainer.__init__ calls it; does nothing off a CPU
+    with bound_cpu_memory(device):    # BiPACETrainer.train runs inside it; does nothing off a CPU
+        ...
 
 Two things made the main job's update peak at 7,465 MiB resident on a 135M model, neither of
 them live tensors of the model's own size:
@@ -12,7 +13,7 @@ them live tensors of the model's own size:
   about four float32 temporaries of the tile's size, and on a CPU every position of the piece is
   scored, the prompt's too (TRL keeps only the completion's positions where Triton runs). A
   piece of 4 rows × 460 tokens has 1,840 positions: a 236 MB tile and ~1 GB of temporaries in
-  the forward, more in the backward. `bound_logprob_tiles` makes the tiles 512 × 8192 (16 MB):
+  the forward, more in the backward. `trl_compat.logprob_tiles` makes the tiles 512 × 8192 (16 MB):
   the same arithmetic, in more, smaller tiles.
 - glibc's malloc serves allocations under its mmap threshold from its heap, and raises that
   threshold (up to 32 MB) each time a mapped block is freed, so after the first few steps every
@@ -25,18 +26,26 @@ And one thing made the LM head's work ten times what it needs: on a CPU TRL scor
 position of a piece, the prompt's too, and drops all but the completion's afterwards
 (`add_fused_lm_head` keeps only the labelled positions where `_use_triton` says a Triton device
 runs, to spare other compilers a new tile shape per batch; an eager CPU has no such cost).
-`score_labelled_positions_only` lets the CPU take TRL's compact path too: the same per-position
+`trl_compat.labelled_positions_on_cpu` lets the CPU take TRL's compact path too: the same per-position
 arithmetic on the ~40 completion positions of a ~460-token row instead of all of them.
+
+The two TRL changes hold inside `bound_cpu_memory` only (TRL's values come back on exit, so
+a plain `GRPOTrainer` in the same process is left as TRL makes it); the mmap threshold, a
+setting of the C library, stays fixed for the rest of the process (glibc has no way back to
+its dynamic threshold).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+from typing import Iterator
 
-__all__ = ["LOGPROB_TOKEN_TILE", "LOGPROB_VOCAB_TILE", "MMAP_THRESHOLD", "bound_cpu_memory",
-           "bound_logprob_tiles", "return_freed_memory", "score_labelled_positions_only"]
+from . import trl_compat
+
+__all__ = ["LOGPROB_TOKEN_TILE", "LOGPROB_VOCAB_TILE", "MMAP_THRESHOLD", "bound_cpu_memory", "return_freed_memory"]
 
 # 512 tokens × 8192 vocabulary entries × 4 bytes = 16 MB per tile and per temporary.
 LOGPROB_TOKEN_TILE = 512
@@ -44,49 +53,6 @@ LOGPROB_VOCAB_TILE = 8192
 # glibc's own initial threshold, made fixed (setting it turns off the dynamic raise).
 MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-def bound_logprob_tiles(device) -> bool:
-    """On a CPU, shrink TRL's fused-LM-head tiles to `LOGPROB_TOKEN_TILE` × `LOGPROB_VOCAB_TILE`.
-
-    TRL reads both sizes from module globals at each call, so this holds for every model the
-    process scores. Never enlarges a tile; returns whether `device` is a CPU."""
-    if getattr(device, "type", device) != "cpu":
-        return False
-    import trl.kernels.chunked_logprob as kernel
-    import trl.trainer.utils as trl_utils
-
-    kernel.TOKEN_CHUNK_SIZE = min(kernel.TOKEN_CHUNK_SIZE, LOGPROB_TOKEN_TILE)
-    trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = min(trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, LOGPROB_VOCAB_TILE)
-    return True
-
-
-def score_labelled_positions_only(device) -> bool:
-    """On a CPU, let TRL's fused LM head project and score only the positions with a label.
-
-    TRL's `add_fused_lm_head` asks `trl.trainer.utils._use_triton(device)` (looked up at each
-    call) whether to gather the labelled positions before its tiles; this makes the answer yes for
-    a CPU as well. The tiles themselves still fold in torch: the kernel's module has its own
-    `_use_triton`, left as it is. Log-probs, entropies and gradients equal the all-positions
-    path's to float rounding (`tests/test_memory.py`). Returns False, changing nothing, off a
-    CPU or on a TRL without that seam."""
-    if getattr(device, "type", device) != "cpu":
-        return False
-    import trl.trainer.utils as trl_utils
-
-    decide = getattr(trl_utils, "_use_triton", None)
-    if decide is None:
-        return False
-    if getattr(decide, "labelled_positions_on_cpu", False):
-        return True
-
-    def compact_on_cpu_too(device) -> bool:
-        return device.type == "cpu" or decide(device)
-
-    compact_on_cpu_too.labelled_positions_on_cpu = True
-    compact_on_cpu_too.__wrapped__ = decide
-    trl_utils._use_triton = compact_on_cpu_too
-    return True
 
 
 def return_freed_memory() -> bool:
@@ -108,10 +74,15 @@ def return_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
-def bound_cpu_memory(device) -> bool:
-    """All three, on a CPU only (a GPU run's host memory and TRL's Triton path are left as they are)."""
-    if not bound_logprob_tiles(device):
-        return False
-    score_labelled_positions_only(device)
+@contextlib.contextmanager
+def bound_cpu_memory(device) -> Iterator[bool]:
+    """On a CPU, for the scope: TRL's fused LM head in `LOGPROB_TOKEN_TILE` × `LOGPROB_VOCAB_TILE`
+    tiles over the labelled positions only, and glibc's mmap threshold fixed (`return_freed_memory`).
+    Yields whether `device` is a CPU; off a CPU nothing changes (a GPU run's host memory and
+    TRL's Triton path are left as they are)."""
+    if getattr(device, "type", device) != "cpu":
+        yield False
+        return
     return_freed_memory()
-    return True
+    with trl_compat.logprob_tiles(device, LOGPROB_TOKEN_TILE, LOGPROB_VOCAB_TILE), trl_compat.labelled_positions_on_cpu(device):
+        yield True

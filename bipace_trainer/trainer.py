@@ -40,9 +40,7 @@ from .micro_batches import loss_in_pieces, piece_weights, split_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import model_card
 from .rollout.batching import TRLBatchSpec
-from .rollout.collector import (  # noqa: F401
-    SUMMED_OVER_RANKS, RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset,
-)
+from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
 from .rollout.hidden import HiddenPlan, clamp_layer
 from .rollout.loop import Rollout, TaskRef
 from .rollout.overlap import Prefetched, RolloutOverlap, check_overlap
@@ -51,11 +49,10 @@ from .rollout.scoring import ScoredRollout, generation_metrics, score_rollout
 from .rollout.tool_envs import ToolEnvSetup, check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
-from .run.checkpointing import BUFFER_FILE, STATE_FILE  # noqa: F401  (importable from here, as before)
-from .run.evaluation import EVAL_FILE, EvaluationCallback, FinalEvaluationCallback, summarise_evaluation  # noqa: F401
+from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
 from .trl_metrics import generation_trl_metrics, loss_metric_names
 
-__all__ = ["BiPACETrainer", "TrainingInterrupted", "task_dataset", "env_reward", "summarise_evaluation"]
+__all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +122,6 @@ class BiPACETrainer(GRPOTrainer):
             quantization_config=quantization_config, peft_config=peft_config, tools=tools,
             environment_factory=environment_factory,
         )
-        memory.bound_cpu_memory(self.accelerator.device)  # log-prob tiles, freed memory: docs/memory.md
         self.estimator = StepAdvantageEstimator(args.estimator)
         self._build_rollout(args, trl_envs, len(user_rewards), eval_dataset)
         self.eval_history: list[dict[str, Any]] = []
@@ -273,15 +269,17 @@ class BiPACETrainer(GRPOTrainer):
         run in which every episode failed raises instead of reporting success."""
         if self.is_world_process_zero():
             run_dir.clean_stale_files(self.args.output_dir)  # a killed dump's .partial, the user's README.md
-        try:
-            output = super().train(*args, **kwargs)
-        except TrainingInterrupted as stop:
-            logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
-            return None
-        finally:
-            self._graceful_stop.restore_handler()
-            if self._overlap is not None:
-                self._overlap.close()  # a prefetched generation past the run's last step is not trained on
+        # TRL's fused LM head in small tiles on a CPU, for this run only (undone on exit: `trl_compat`)
+        with memory.bound_cpu_memory(self.accelerator.device):
+            try:
+                output = super().train(*args, **kwargs)
+            except TrainingInterrupted as stop:
+                logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
+                return None
+            finally:
+                self._graceful_stop.restore_handler()
+                if self._overlap is not None:
+                    self._overlap.close()  # a prefetched generation past the run's last step is not trained on
         collector = self.collector
         if collector.train_generations and not collector.healthy_generations and not self.interrupted:
             raise RuntimeError(collector.every_env_failed(f"all {collector.train_generations} generations of the run"))

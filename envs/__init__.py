@@ -12,13 +12,12 @@ from .base import (
     StepResult,
     TaskSpec,
     TextEnv,
-    build_env,
-    make_env,
     normalise_action,
     register_env,
     registered_envs,
     resolve_env_class,
 )
+from .factory import build_env, make_env
 from .surface import SurfaceVariation, unwrap
 from .tiny import TinyEnv
 from .trl_env import EnvironmentFailure, as_trl_environment, trl_task_dataset

@@ -12,7 +12,7 @@ done, a step says whether the task was *won* (so success is never guessed from t
 reward), the admissible actions when the engine knows them, and the *anchor*: the raw
 current observation with no history, which GiGPO/GAGPO group on by exact match.
 
-Register your own env with the decorator, or pass a dotted path to `make_env`:
+Register your own env with the decorator, or pass a dotted path to `make_env` (`envs.factory`):
 
     @register_env("my-env")
     class MyEnv(TextEnv): ...
@@ -36,8 +36,6 @@ __all__ = [
     "stratified_subset",
     "normalise_action",
     "register_env",
-    "make_env",
-    "build_env",
     "resolve_env_class",
     "registered_envs",
     "EnvUnavailableError",
@@ -231,24 +229,3 @@ def resolve_env_class(name: str) -> type[TextEnv]:
         f"env={name!r} is not a registered env. Registered: {', '.join(registered_envs())}. "
         "Register your own with @envs.register_env('name') or pass a dotted path 'package.module:Class'."
     )
-
-
-def make_env(name: str, **env_kwargs: Any) -> TextEnv:
-    """Build one env instance by registry name or dotted path.
-
-    `surface_variation` (and `surface_seed`) among the kwargs wrap the env in
-    `envs.surface.SurfaceVariation` instead of reaching its constructor.
-    """
-    return build_env(resolve_env_class(name), env_kwargs)
-
-
-def build_env(
-    env_class: type[TextEnv] | Callable[..., TextEnv], env_kwargs: dict[str, Any] | None, stream: int | None = None
-) -> TextEnv:
-    """`env_class(**env_kwargs)`, wrapped in `SurfaceVariation` when env_kwargs ask for it (one owner
-    of that rule for `make_env` and `VectorEnv`); `stream` numbers the wrapper (see envs.surface)."""
-    from .surface import SurfaceVariation, split_surface_kwargs  # surface imports this module
-
-    engine_kwargs, surface_kwargs = split_surface_kwargs(env_kwargs)
-    env = env_class(**engine_kwargs)
-    return SurfaceVariation(env, stream=stream, **surface_kwargs) if surface_kwargs else env

@@ -37,8 +37,8 @@ How one of our `TextEnv` steps maps onto it:
   A failing `reset` raises `EnvironmentFailure` too, as a local env that cannot start would:
   under GRPOTrainer the run stops there instead of training on episodes that never played
   (TRL calls reset outside any guard); `BiPACETrainer` ends only that episode, as failed.
-- `get_reward()` is the episode return: the sum of the env's step rewards (SPEC section 2's
-  `R^ep`; 1.0 for a won TextCraft or ALFWorld task, WebShop's score).
+- `get_reward()` is the episode return: the sum of the env's step rewards (`R^ep`,
+  docs/concepts/math.md#episode-advantage; 1.0 for a won TextCraft or ALFWorld task, WebShop's score).
 
 The state a reward function or a trainer may read off an instance: `task_id`, `task`,
 `observation`, `anchor`, `admissible_actions`, `reward`, `won`, `done`, `failure`, `steps`.

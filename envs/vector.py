@@ -81,7 +81,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
-from .base import EnvUnavailableError, StepResult, TextEnv, build_env, resolve_env_class
+from .base import EnvUnavailableError, StepResult, TextEnv, resolve_env_class
+from .factory import build_env
 
 __all__ = [
     "VectorEnv",

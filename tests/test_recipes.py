@@ -20,12 +20,12 @@ sys.path.insert(0, str(ROOT))
 from bipace_trainer.cli import train  # noqa: E402
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-# SPEC §6 "Setups", shared by every recipe: G, task groups, lr, KL, clip, γ, penalty, history, temperatures
+# docs/concepts/math.md#paper-setups, shared by every recipe: G, task groups, lr, KL, clip, γ, penalty, history, temperatures
 PAPERS = dict(num_generations=8, tasks_per_iteration=16, learning_rate=1e-6, beta=0.01, epsilon=0.2, step_gamma=0.95,
               invalid_action_penalty=0.1, history_length=2, temperature=1.0, eval_temperature=0.4)
-CLUSTERING = {"7b": (-8, "0.10"), "1.5b": (-12, "0.05")}  # SPEC §4: layer and ε per model size
+CLUSTERING = {"7b": (-8, "0.10"), "1.5b": (-12, "0.05")}  # docs/concepts/math.md#hidden-partition: layer and ε per model size
 MAX_TURNS = {"alfworld": 50, "webshop": 15, "textcraft": 30}
-# HGPO's public scripts (verl-agent recipe/hgpo/run_qwen2.5_*_train.sh, b4918cc; SPEC §4 "HGPO"): K = the
+# HGPO's public scripts (verl-agent recipe/hgpo/run_qwen2.5_*_train.sh, b4918cc; docs/concepts/math.md#hgpo): K = the
 # history window, α = 1, no base group, ALFWorld mean_std_norm, WebShop mean_norm with ≤ 30 steps
 HGPO = {"alfworld": dict(advantage_norm="mean_std", max_turns=50), "webshop": dict(advantage_norm="mean", max_turns=30)}
 EVAL_SPLIT = {"alfworld": "valid_unseen", "webshop": "test", "textcraft": "test_ood"}

@@ -1,24 +1,25 @@
 """Step-level advantage estimators: pure torch, no trainer, model or env state.
 
-Map from SPEC to code:
+Map from the equations (docs/concepts/math.md, by section anchor) to code:
 
-    §1 step records            records.StepBatch, records.BatchLayout, records.factorize
-    §2 returns, penalty        returns.step_returns, returns.episode_returns; truncated
-                               trajectories: returns.truncation_value (bootstrap_truncated)
-    §3 episode advantage       returns.episode_advantage (episode_stats="steps": GiGPO compat)
-    §4 axis 1, partition       partition.PARTITIONS (register_partition): hash_partition,
-                               hidden_partition, leader_cluster, calibrate_eps
-    §4 axis 2, baseline        baselines.mean_baseline, pace_q_baseline, pace_diff_baseline,
-                               gae_baseline
-    §4 HGPO                    partition.context_partition (LevelledPartition: levels k = 0..K
-                               over any partition), baselines.hierarchy_baseline (LevelDetail);
-                               per-level diagnostics: presets.level_diagnostics
-    §4 combination, presets    presets.PRESETS, presets.resolve_settings,
-                               presets.compute_advantages, presets.StepAdvantageEstimator
-                               (the one owner of "auto" ε and its fallback: eps_in_use)
-    §5 diagnostics             the dict returned by compute_advantages; per step (return,
-                               cell, PACE branch, HGPO levels, GAE terms: baselines.GaeTerms):
-                               presets.estimate_advantages
+    #step-records          records.StepBatch, records.BatchLayout, records.factorize
+    #step-returns          returns.step_returns, returns.episode_returns; truncated
+    #truncation            trajectories: returns.truncation_value (bootstrap_truncated)
+    #episode-advantage     returns.episode_advantage (#episode-stats-steps: GiGPO compat)
+    #state-partition       partition.PARTITIONS (register_partition): hash_partition
+                           (#anchor-partition), hidden_partition and leader_cluster
+                           (#hidden-partition), calibrate_eps (#eps-calibration)
+    #step-baseline         baselines.mean_baseline (#mean-baseline), pace_q_baseline
+                           (#pace-q), pace_diff_baseline (#pace-diff), gae_baseline (#gae)
+    #context-levels, #hgpo partition.context_partition (LevelledPartition: levels k = 0..K
+                           over any partition), baselines.hierarchy_baseline (LevelDetail);
+                           per-level diagnostics: presets.level_diagnostics
+    #combination, #presets presets.PRESETS, presets.resolve_settings,
+                           presets.compute_advantages, presets.StepAdvantageEstimator
+                           (the one owner of "auto" ε and its fallback: eps_in_use)
+    #diagnostics           the dict returned by compute_advantages; per step (return,
+                           cell, PACE branch, HGPO levels, GAE terms: baselines.GaeTerms):
+                           presets.estimate_advantages
 """
 
 from .baselines import BASELINES

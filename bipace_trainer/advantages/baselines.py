@@ -1,4 +1,4 @@
-"""Axis 2 of the estimator design: the step baseline (SPEC §4, "Axis 2").
+"""Axis 2 of the estimator design: the step baseline (docs/concepts/math.md#step-baseline).
 
 Each function compares a step's return with its cell and returns A^s, one value per
 step. Let C be the cell of step i, R the step returns (N,). Common to all: a
@@ -16,7 +16,7 @@ different-key peer). Everything is a handful of segment reductions: no loop over
 steps, cells or groups.
 
 `gae` in full (GAGPO; `grouped_gae`, then `gae_baseline`), with p_t the invalid-action
-penalty of step t (SPEC §2) and R^env the env return-to-go (no penalty):
+penalty of step t (docs/concepts/math.md#step-returns) and R^env the env return-to-go (no penalty):
 
     V̄(s)  = mean_C R^env                   value proxy over the cell of s
     δ_t    = r_t + γ V̄(s_{t+1}) - V̄(s_t)   V̄(s_L) = 0 at the end (or R_L, `returns`)
@@ -144,7 +144,8 @@ def _leave_one_out(returns, cell_sum, cell_count):
 
 
 def mean_baseline(returns: torch.Tensor, partition: Partition, *, norm: str = "mean_std", **_) -> BaselineResult:
-    """GiGPO's step-relative advantage: R_i - mean_C R, optionally ÷ (std_C + 1e-6).
+    """GiGPO's step-relative advantage: R_i - mean_C R, optionally ÷ (std_C + 1e-6)
+    (docs/concepts/math.md#mean-baseline).
 
     Args:
         returns: (N,) float64 step returns; partition: cells of the batch.
@@ -197,7 +198,7 @@ def _pace(returns, partition, action_key, norm, peer_mean_fn, fallback_when):
 def pace_q_baseline(
     returns: torch.Tensor, partition: Partition, *, action_key: torch.Tensor, pace_norm: str = "mean", **_
 ) -> BaselineResult:
-    """BiPACE_Q: A^s_i = Q̂(a_i) - V̂ with Q̂ the mean return of i's action key in its cell
+    """BiPACE_Q (docs/concepts/math.md#pace-q): A^s_i = Q̂(a_i) - V̂ with Q̂ the mean return of i's action key in its cell
     (i included) and V̂ the cell mean; leave-one-out when the cell has one distinct key.
 
     Args:
@@ -217,7 +218,7 @@ def pace_q_baseline(
 def pace_diff_baseline(
     returns: torch.Tensor, partition: Partition, *, action_key: torch.Tensor, pace_norm: str = "mean", **_
 ) -> BaselineResult:
-    """BiPACE's diff-peer mean: A^s_i = R_i - mean{R_j : j∈C, key_j ≠ key_i};
+    """BiPACE's diff-peer mean (docs/concepts/math.md#pace-diff): A^s_i = R_i - mean{R_j : j∈C, key_j ≠ key_i};
     leave-one-out when i has no different-key peer in its cell."""
     return _pace(
         returns,
@@ -253,7 +254,7 @@ def grouped_gae(
     lam: float,
     penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GAGPO's GAE over the grouped value proxy, before normalisation (module docstring):
+    """GAGPO's GAE over the grouped value proxy, before normalisation (docs/concepts/math.md#gae):
 
         V̄(s_t)  = mean_C R^env                     (0 after the last step)
         δ_t     = r_t + γ V̄(s_{t+1}) - V̄(s_t)
@@ -297,7 +298,7 @@ def gae_baseline(
 ) -> BaselineResult:
     """GAGPO: `grouped_gae`, then A^s = (Â - μ_B) / (σ_B + 1e-6) within each task group B.
 
-    Singleton steps get 0 (SPEC §4) and are left out of μ_B and σ_B (unbiased std);
+    Singleton steps get 0 (docs/concepts/math.md#gae) and are left out of μ_B and σ_B (unbiased std);
     they still enter their predecessor's δ through V̄ (module docstring).
 
     Args:
@@ -356,7 +357,7 @@ def hierarchy_baseline(
     episode_advantage: torch.Tensor | None = None,
     **kwargs,
 ) -> BaselineResult:
-    """HGPO: per-level advantages over nested context cells, combined by fixed weights
+    """HGPO (docs/concepts/math.md#hgpo): per-level advantages over nested context cells, combined by fixed weights
     (module docstring, "hierarchy in full").
 
     Args:

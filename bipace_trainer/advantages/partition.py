@@ -1,4 +1,4 @@
-"""Axis 1 of the estimator design: the state partition (SPEC §4, "Axis 1").
+"""Axis 1 of the estimator design: the state partition (docs/concepts/math.md#state-partition).
 
 A partition splits the steps of each task group into *cells*, the sets of steps that
 count as "the same state" for the step baseline. Cells never cross task groups.
@@ -93,7 +93,7 @@ class Partition:
 
 @dataclass
 class LevelledPartition(Partition):
-    """Nested context levels over a base partition (HGPO, SPEC §4 "HGPO"): `context_partition`.
+    """Nested context levels over a base partition (HGPO, docs/concepts/math.md#context-levels): `context_partition`.
 
     Level k = 0..K holds the steps with t >= k, in cells of equal context
     C_k(t) = (c_{t-k}, ..., c_t), the base cells of the step and its k predecessors in
@@ -118,7 +118,7 @@ class LevelledPartition(Partition):
 
 
 def context_partition(base: Partition, layout: BatchLayout, levels: int) -> LevelledPartition:
-    """HGPO's hierarchy of context-consistent groups over the cells of `base`.
+    """HGPO's hierarchy of context-consistent groups over the cells of `base` (docs/concepts/math.md#context-levels).
 
     Level-k label of step t: the level-(k-1) label paired with the base cell of step
     t-k of the same trajectory, so equal labels mean equal (c_{t-k}, ..., c_t); one
@@ -153,7 +153,8 @@ def context_partition(base: Partition, layout: BatchLayout, levels: int) -> Leve
 
 
 def hash_partition(anchor: torch.Tensor, layout: BatchLayout) -> Partition:
-    """GiGPO's anchor-state grouping: one cell per distinct anchor within a task group.
+    """GiGPO's anchor-state grouping: one cell per distinct anchor within a task group
+    (docs/concepts/math.md#anchor-partition).
 
     Args:
         anchor: (N,) int64 anchor ids (see `factorize`).
@@ -180,7 +181,8 @@ def _visit_order(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def leader_cluster(hidden: torch.Tensor, layout: BatchLayout, eps: float, block: int = 32) -> torch.Tensor:
-    """Leader clustering of steps by cosine distance, independently in each task group.
+    """Leader clustering of steps by cosine distance, independently in each task group
+    (docs/concepts/math.md#hidden-partition).
 
     φ(s) = h / ‖h‖₂ and d(u, v) = 1 - uᵀv. Steps are visited in (trajectory, t)
     order; a step joins the nearest centroid of its group if d <= eps (ties, within
@@ -336,7 +338,8 @@ def calibrate_eps(
     max_eps: float,
     iterations: int = 12,
 ) -> float:
-    """Smallest ε whose singleton rate is at most `target_singleton_rate`, capped at `max_eps`.
+    """Smallest ε whose singleton rate is at most `target_singleton_rate`, capped at `max_eps`
+    (docs/concepts/math.md#eps-calibration).
 
     The singleton rate falls (almost always monotonically) as ε grows, so the boundary
     is found by bisection on [0, max_eps] to a resolution of max_eps / 2**iterations;
@@ -367,7 +370,7 @@ def bisect_eps(
 
 @dataclass(frozen=True)
 class PartitionKind:
-    """A state partition the estimator can use (SPEC §4, axis 1), as `PARTITIONS` holds it.
+    """A state partition the estimator can use (docs/concepts/math.md#state-partition), as `PARTITIONS` holds it.
 
     Attributes:
         build: (batch, layout, eps) -> `Partition`, cells nested in task groups; eps is

@@ -1,4 +1,4 @@
-"""Presets and the one entry point, `compute_advantages` (SPEC §4, "Combination").
+"""Presets and the one entry point, `compute_advantages` (docs/concepts/math.md#combination, #presets).
 
     A_i = w_ep · A^ep_i + w_step · A^s_i
 
@@ -67,7 +67,7 @@ class SettingsError(ValueError):
 
 @dataclass
 class EstimatorSettings:
-    """Every knob of the step-level advantage estimator (SPEC §2–§4).
+    """Every knob of the step-level advantage estimator (the equations: docs/concepts/math.md).
 
     Attributes:
         partition: state partition, a name in `partition.PARTITIONS` ("none" | "hash" |
@@ -86,12 +86,13 @@ class EstimatorSettings:
             a float in [0, 2] (a string such as "0.10" is parsed here) or "auto".
         target_singleton_rate, max_cluster_eps: what "auto" aims for and its cap.
         recalibrate_every: with "auto", re-calibrate ε every this many calls (0: never).
-        importance_sampling_level: "token" or "sequence" (GAGPO); read by the trainer.
+        importance_sampling_level: "token" or "sequence" (GAGPO); read by the trainer
+            (docs/concepts/math.md#importance-ratio).
         bootstrap_truncated: False (GiGPO's behaviour): a trajectory cut by the turn
             budget ends with R_L = 0, as if the env had ended it. True: its last step
             bootstraps from the value proxy, R_L = V̄(s_{L-1}) (`returns.truncation_value`).
 
-        HGPO (SPEC §4 "HGPO"; arXiv 2602.22817, verl-agent `recipe/hgpo/core_hgpo.py`):
+        HGPO (docs/concepts/math.md#hgpo; arXiv 2602.22817, verl-agent `recipe/hgpo/core_hgpo.py`):
         context_levels: K, previous steps a context compares (`partition.context_partition`
             over the partition above); 0: the flat partition. With a one-level baseline the
             cells are the deepest level (steps whose K-step context agrees).
@@ -326,8 +327,8 @@ class StepEstimate:
 
     Attributes:
         advantage: (N,) float32, A_i = w_ep A^ep_i + w_step A^s_i.
-        diagnostics: flat dict of floats (SPEC §5).
-        step_return: (N,) float64 return-to-go R_t with the invalid-action penalty (SPEC §2).
+        diagnostics: flat dict of floats (docs/concepts/math.md#diagnostics).
+        step_return: (N,) float64 return-to-go R_t with the invalid-action penalty (docs/concepts/math.md#step-returns).
         cell: (N,) int64 cell of the state partition, or None without a step term.
         branch: (N,) int64 PACE branch (`BRANCH_PACE`, `BRANCH_LOO`, `BRANCH_SINGLETON`),
             or None for the other baselines.
@@ -350,7 +351,8 @@ class StepEstimate:
 def compute_advantages(
     batch: StepBatch, settings: EstimatorSettings, *, cluster_eps: float | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One advantage per step, and the diagnostics of SPEC §5.
+    """One advantage per step, A = w_ep A^ep + w_step A^s (docs/concepts/math.md#combination), and the diagnostics
+    (docs/concepts/math.md#diagnostics).
 
     Args:
         batch: N flat step records (`StepBatch`).

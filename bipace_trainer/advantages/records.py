@@ -1,4 +1,4 @@
-"""The flat batch of step records the estimators read (SPEC §1), and its layout.
+"""The flat batch of step records the estimators read (docs/concepts/math.md#step-records), and its layout.
 
 One rollout batch holds `num_tasks` task groups × G trajectories; each trajectory is a
 list of steps and each step is one training sample. The estimators see the batch

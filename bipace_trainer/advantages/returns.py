@@ -1,4 +1,4 @@
-"""Returns and the episode-level (GRPO) advantage: SPEC §2 and §3.
+"""Returns and the episode-level (GRPO) advantage (docs/concepts/math.md#step-returns, docs/concepts/math.md#episode-advantage).
 
 All functions are pure and vectorised over the whole batch: no Python loop over
 trajectories or steps.
@@ -13,12 +13,12 @@ torchrl separate the end of a trajectory from the end of an episode:
     R_t = r_t + γ R_{t+1},   R_L = 0                   terminated
                              R_L = V̄(s_{L-1})         truncated
 
-V̄ is the value proxy of the gae baseline (SPEC §4), the mean env return-to-go of a
+V̄ is the value proxy of the gae baseline (docs/concepts/math.md#gae), the mean env return-to-go of a
 cell, taken here from the terminal returns and over the cell of the last step: s_L is
 never observed (no step was taken there), so the last observed state stands in for it.
 The bootstrap changes every return of the trajectory (γ^{L-t} V̄), hence every step
 baseline, and GAE's δ_{L-1} = r_{L-1} + γ V̄(s_L) - V̄(s_{L-1}) with V̄(s_L) = R_L.
-The episode return R^ep (SPEC §3) is the rewards the episode got and is never
+The episode return R^ep (docs/concepts/math.md#episode-advantage) is the rewards the episode got and is never
 bootstrapped. The invalid-action penalty is not a reward: it stays out of V̄ and the
 bootstrap, and is subtracted after the recursion as always.
 """
@@ -39,7 +39,7 @@ __all__ = [
     "EPS",
 ]
 
-EPS = 1e-6  # the 1e-6 of every (x - mean) / (std + 1e-6) in the SPEC
+EPS = 1e-6  # the 1e-6 of every (x - mean) / (std + 1e-6) on docs/concepts/math.md
 
 
 def discounted_cumsum_grid(grid: torch.Tensor, discount: float) -> torch.Tensor:
@@ -83,7 +83,7 @@ def step_returns(
     *,
     next_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return-to-go R_t = r_t + γ R_{t+1}, minus `invalid_penalty` on invalid steps (SPEC §2).
+    """Return-to-go R_t = r_t + γ R_{t+1}, minus `invalid_penalty` on invalid steps (docs/concepts/math.md#step-returns).
 
     The penalty is subtracted *after* the recursion, as GiGPO does: it hits that step
     only and is not propagated back to earlier steps. The recursion ends with R_L = 0
@@ -105,7 +105,8 @@ def step_returns(
 def truncation_value(
     terminal_returns: torch.Tensor, cell: torch.Tensor, num_cells: int, truncated: torch.Tensor
 ) -> torch.Tensor:
-    """R_L of each truncated trajectory: V̄(s_{L-1}) = mean_C R over its last step's cell.
+    """R_L of each truncated trajectory: V̄(s_{L-1}) = mean_C R over its last step's cell
+    (docs/concepts/math.md#truncation).
 
     Args:
         terminal_returns: (N,) float64 env return-to-go with R_L = 0 (no penalty).
@@ -149,13 +150,13 @@ def episode_advantage(
     episode_stats: str = "trajectory",
     invalid_penalty: float = 0.0,
 ) -> torch.Tensor:
-    """Episode-level group-relative advantage A^ep, broadcast to every step (SPEC §3).
+    """Episode-level group-relative advantage A^ep, broadcast to every step (docs/concepts/math.md#episode-advantage).
 
     episode_stats="trajectory" (default): within each task group, over its G
     trajectories, A^ep_i = (R^ep_i - mean) / (std + 1e-6) for norm="mean_std" (unbiased
     std) or R^ep_i - mean for norm="mean"; a group holding one trajectory gets 0.
 
-    episode_stats="steps" (GiGPO reference compatibility): each step row scores
+    episode_stats="steps" (GiGPO reference compatibility, docs/concepts/math.md#episode-stats-steps): each step row scores
     R^ep of its trajectory minus its own invalid-action penalty, and the statistics run
     over the rows of the group (long trajectories weigh more). A group of one row
     keeps its raw score (mean 0, std 1), as the reference does.

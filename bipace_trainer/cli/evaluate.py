@@ -6,7 +6,7 @@
     accelerate launch --num_processes 4 -m bipace_trainer.cli.evaluate MODEL --env webshop --use_vllm
 
 Protocol (`PROTOCOLS`, each value overridable by its flag): the papers validate at temperature
-0.4 with seeds 123, 456 and 789 (SPEC §6); ALFWorld on `valid_seen` and `valid_unseen` (the
+0.4 with seeds 123, 456 and 789 (docs/concepts/math.md#paper-setups); ALFWorld on `valid_seen` and `valid_unseen` (the
 official games when `alfworld-download` put them where `envs.alfworld` looks, else the generated
 ones) at 50 turns; WebShop on its `test` goals at 15 turns; TextCraft on its held-out goals
 (`test_ood`, the recipes' evaluation split) at 30 turns; history window 2. Every task of a split
@@ -84,7 +84,7 @@ class Protocol:
     source: str = ""  # where the numbers come from
 
 
-# The papers' validation settings (SPEC §6 and the recipes under recipes/, which cite them).
+# The papers' validation settings (docs/concepts/math.md#paper-setups, and the recipes under recipes/, which cite them).
 PROTOCOLS: dict[str, Protocol] = {
     "alfworld": Protocol(("valid_seen", "valid_unseen"), 50, source="GiGPO/BiPACE: ALFWorld valid splits, <= 50 steps"),
     "webshop": Protocol(("test",), 15, source="GiGPO/BiPACE: WebShop test goals, <= 15 steps"),

@@ -42,8 +42,9 @@ from transformers.integrations import get_available_reporting_integrations  # no
 from accelerate import PartialState  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
-from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
+from bipace_trainer.config import BiPACEConfig  # noqa: E402
 from bipace_trainer.rollout.hidden import resolve_cluster_layer  # noqa: E402
+from bipace_trainer.trainer import BiPACETrainer  # noqa: E402
 from bipace_trainer.run import run_dir  # noqa: E402
 from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
 from bipace_trainer.config import FIELD_GROUPS  # noqa: E402

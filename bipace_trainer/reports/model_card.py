@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 CARD_MARKER = "<!-- model card written by bipace-trainer -->"
 
 PROJECT = "bipace-trainer"
-# title, link (None where none is public); SPEC §4 names which method each preset is
+# title, link (None where none is public); docs/concepts/math.md#presets names which method each preset is
 PAPERS = {
     "bipace": (
         "BiPACE: Bisimulation-Guided Policy Optimization with Action Counterfactual Estimation for LLM Agents",

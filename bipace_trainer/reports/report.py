@@ -7,7 +7,7 @@ What the page reads from the run's output directory (nothing else, no network):
 - `trainer_state.json` (the directory's, else its newest `checkpoint-*/`): TRL's `log_history`,
   from which `run_summary.learning_curve` takes training-batch success, success over every
   rollout played, valid-action rate and loss, plus the estimator's diagnostics
-  (`estimator/*`, `advantage/*`, SPEC §5);
+  (`estimator/*`, `advantage/*`, docs/concepts/math.md#diagnostics);
 - `eval_results.json` (`trainer.eval_history`): the held-out evaluations, drawn on the curve
   with their 95% Wilson interval and listed in a table per task type;
 - `bipace_eval*.json` (what `bipace-eval` writes): its tables;
@@ -54,7 +54,7 @@ __all__ = [
 
 REPORT_FILE = "report.html"
 DUMP_DIR = "rollouts"
-# Log keys drawn as the estimator's diagnostics (SPEC §5), one small panel each.
+# Log keys drawn as the estimator's diagnostics (docs/concepts/math.md#diagnostics), one small panel each.
 DIAGNOSTIC_PREFIXES = ("estimator/", "advantage/")
 # The task attributes an env reports success by (`TextEnv.report_key` of the shipped envs), in the
 # order the filter prefers them when the page is not told the env.

@@ -1,7 +1,7 @@
 """Playing episodes, and what each played step becomes: everything between an env and TRL's batch.
 
     loop            run_rollouts: lockstep or continuous multi-turn rollouts → Rollout (StepRecord, Episode), TaskRef,
-                    EnvAdapter / TextEnvAdapter (SPEC §1)
+                    EnvAdapter / TextEnvAdapter (docs/concepts/math.md#step-records)
     collector       RolloutCollector: the trainer's one way to play, training and evaluation alike
     tool_envs       TRL's environment_factory / tools played turn by turn (ToolEnvAdapter)
     vllm_backend    what the multi-turn rollout adds to TRL's vLLM generation
@@ -14,33 +14,7 @@
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
-transformers. Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the
-rollout, never the other way round (the collector takes TRL's `GRPOTrainer` for generation).
-
-`bipace_trainer.rollout` was the loop's own module before this package; its names (`Rollout`,
-`TaskRef`, ...) still resolve here, with a DeprecationWarning, for one release.
+transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives).
+Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the rollout, never
+the other way round (the collector takes TRL's `GRPOTrainer` for generation).
 """
-
-import importlib as _importlib
-import warnings as _warnings
-
-_SUBMODULES = {
-    "loop", "collector", "tool_envs", "vllm_backend", "vllm_stream", "prefix_cache", "hidden", "prompting", "actions",
-    "batching", "trajectories", "overlap",
-}
-
-
-def __getattr__(name):
-    if name.startswith("__") or name in _SUBMODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    loop = _importlib.import_module(".loop", __name__)
-    if not hasattr(loop, name):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn(
-        f"bipace_trainer.rollout.{name} moved to bipace_trainer.rollout.loop.{name}; "
-        "the old path is kept for one release.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    globals()[name] = value = getattr(loop, name)  # warned once per name
-    return value

@@ -10,7 +10,7 @@ The agent answers in the GiGPO format::
    become U+FFFD), so any `str` is accepted.
 2. The action is the body between the first ``<action>`` and the first ``</action>``
    after it (tags are matched case-insensitively).
-3. The reply is *invalid* (and later penalised, SPEC §2) when: there is no complete
+3. The reply is *invalid* (and later penalised, docs/concepts/math.md#step-returns) when: there is no complete
    ``<action>…</action>`` pair; there is more than one ``<action>`` opening tag
    (repeated or nested tags); the body is empty after stripping; the body is longer
    than `max_action_chars`; or `require_think` is set and there is no
@@ -18,7 +18,7 @@ The agent answers in the GiGPO format::
 4. An invalid reply still yields a harmless action for the env: the caller sends the
    env's `invalid_action` (e.g. "look"), so a malformed reply never crashes an engine.
 
-The action key (SPEC §1) is the body lower-cased with white space folded to single
+The action key (docs/concepts/math.md#step-records) is the body lower-cased with white space folded to single
 spaces, so "Go  to Fridge 1" and "go to fridge 1" count as the same action. An
 alternative key, the first k completion token ids, is `token_prefix_key`.
 """
@@ -67,7 +67,7 @@ def normalize_action_key(action: str) -> str:
 
 
 def token_prefix_key(completion_ids, k: int) -> tuple[int, ...]:
-    """Action key from the first `k` completion token ids (an option of SPEC §1)."""
+    """Action key from the first `k` completion token ids (an alternative to the normalised body)."""
     if k <= 0:
         raise ValueError(f"action_key_tokens={k} must be positive; set it to the number of leading tokens to key on.")
     return tuple(int(i) for i in list(completion_ids)[:k])

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts over many envs, lockstep or continuous → flat step records (SPEC §1).
+"""Multi-turn rollouts over many envs, lockstep or continuous → flat step records (docs/concepts/math.md#step-records).
 
     rollout = run_rollouts(envs, tasks, generate, RolloutSettings(max_turns=15, ...))
     rollout.steps        # one StepRecord per env step = one training sample

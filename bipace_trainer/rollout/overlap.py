@@ -50,7 +50,6 @@ import copy
 import hashlib
 import logging
 import threading
-import types
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -60,6 +59,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
 from trl.trainer.utils import add_fused_lm_head
 
+from ..trl_compat import forward_closes_over, fused_lm_head_settings
 from .batching import TRLBatchSpec, padded_tensors
 from .loop import Rollout
 from .policy import ModelPolicy
@@ -122,28 +122,6 @@ def _seed(*parts: Any) -> int:
 # ---------------------------------------------------------------------- the frozen copy of the policy
 
 
-def _fused_head_settings(module: torch.nn.Module) -> dict[str, Any] | None:
-    """The settings of TRL's fused LM head patched onto `module` (`add_fused_lm_head`), or None."""
-    forward = module.__dict__.get("forward")
-    if not isinstance(forward, types.MethodType) or forward.__func__.__code__.co_name != "_fused_forward":
-        return None
-    function = forward.__func__
-    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
-    return {k: cells[k].cell_contents for k in ("temperature", "cast_lm_head_to_fp32", "outputs") if k in cells}
-
-
-def _bound_to(function, originals: set[int]) -> bool:
-    """Whether `function`'s closure holds a method bound to one of the `originals` (module ids)."""
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, types.MethodType) and id(value.__self__) in originals:
-            return True
-    return False
-
-
 def snapshot_module(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` for generation: trainable parameters copied, frozen ones and buffers shared.
 
@@ -157,11 +135,11 @@ def snapshot_module(module: torch.nn.Module) -> torch.nn.Module:
     snapshot = copy.deepcopy(module, memo)
     originals = {id(m) for m in module.modules()}
     for part in snapshot.modules():
-        settings = _fused_head_settings(part)
+        settings = fused_lm_head_settings(part)
         if settings is not None:
             del part.__dict__["forward"]
             add_fused_lm_head(part, **settings)
-        elif "forward" in part.__dict__ and _bound_to(getattr(part.__dict__["forward"], "__func__", None), originals):
+        elif "forward" in part.__dict__ and forward_closes_over(getattr(part.__dict__["forward"], "__func__", None), originals):
             raise TypeError(
                 f"max_staleness=1 cannot copy the policy: {type(part).__name__}.forward is patched with a closure "
                 "over the live module, so the copy would generate with the live weights. Set max_staleness=0."

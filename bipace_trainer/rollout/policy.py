@@ -42,7 +42,8 @@ from trl.trainer.utils import pad
 from .hidden import HiddenPlan, PrefillCapture, forward_hidden_states
 from .prefix_cache import PrefixReuse, supports_prefix_reuse
 from .prompting import fit_prompt_ids
-from .vllm_backend import PrefixCacheCounter, WeightSyncs, install_cpu_weight_loading
+from .. import trl_compat
+from .vllm_backend import PrefixCacheCounter, WeightSyncs
 
 __all__ = [
     "Completions", "Policy", "ModelPolicy", "VLLMPolicy", "TRLPolicy", "TRLGeneration", "fit_to_context",
@@ -258,7 +259,7 @@ class VLLMPolicy(ModelPolicy):
     def __init__(self, generation, model, tokenizer, max_completion_length: int, eos_token_ids: list[int]):
         config = GenerationConfig(max_new_tokens=max_completion_length, eos_token_id=eos_token_ids)
         super().__init__(model, tokenizer, config, max_completion_length, eos_token_ids=eos_token_ids)
-        install_cpu_weight_loading(generation)
+        trl_compat.install_cpu_weight_loading(generation)
         self.vllm_generation = generation
         self.pushed = False
 
@@ -339,7 +340,7 @@ class TRLPolicy(Policy):
         ))
         self.weight_syncs = self.prefix_cache = None
         if self.use_vllm:
-            install_cpu_weight_loading(trl.vllm_generation)
+            trl_compat.install_cpu_weight_loading(trl.vllm_generation)
             self.weight_syncs = WeightSyncs(trl.vllm_generation)
             self.prefix_cache = PrefixCacheCounter.for_generation(trl.vllm_generation)
             if self.prefix_cache is None and self.can_stream:  # a server: its streamed replies may say

@@ -15,10 +15,10 @@ A step's prompt holds, in order (GiGPO's ALFWorld template, verl-agent
     Now it's your turn to take an action. ...reason inside <think> </think>...
     ...then the action inside <action> </action>.
 
-The history window is the last `history_length` (observation, action) pairs (SPEC:
-window 2 in the papers; 0 = no history). Admissible actions appear only when the env
-knows them, at most `max_admissible_actions` of them with a count of the rest, so a
-prompt stays bounded whatever the engine returns. Replies are parsed by
+The history window is the last `history_length` (observation, action) pairs (window 2
+in the papers, docs/concepts/math.md#paper-setups; 0 = no history). Admissible actions
+appear only when the env knows them, at most `max_admissible_actions` of them with a
+count of the rest, so a prompt stays bounded whatever the engine returns. Replies are parsed by
 `bipace_trainer.rollout.actions.parse_reply`; `action_for_env` turns a parse into the
 command the env receives.
 

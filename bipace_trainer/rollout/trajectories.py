@@ -83,7 +83,7 @@ def _gae(terms) -> list[dict[str, Any]]:
 
 
 def _returns(rollout: Rollout, gamma: float, invalid_penalty: float) -> list[float]:
-    """R_t of every step, by the estimator's own return computation (SPEC §2)."""
+    """R_t of every step, by the estimator's own return computation (docs/concepts/math.md#step-returns)."""
     batch = rollout.step_batch()
     batch.hidden = None
     if not len(batch):

@@ -14,24 +14,25 @@ of TRL's assumptions need help, and the training batch needs what TRL builds inl
 - `WeightSyncs`: TRL pushes weights when the step changes, and with colocate sleep mode
   again on every generate call (sleep level 2 discards the weights). A rollout keeps the
   engine awake across its turns, so weights move once per training step, and counts them.
-- `install_cpu_weight_loading`: the one CPU-only shim. vLLM's CPU build repacks the
-  weights of its GEMM layers at load time and drops their `weight_loader`, so TRL's
-  per-parameter `model.load_weights` fails ("'Parameter' object has no attribute
-  'weight_loader'"); `model_runner.reload_weights(weights_iterator=...)` loads a full
-  checkpoint-format iterator through the same packing and works.
+- On vLLM's CPU build TRL's per-parameter weight loading fails; the collector installs
+  `trl_compat.install_cpu_weight_loading` there.
 - `PrefixCacheCounter`: vLLM's prefix cache (on by default in the V1 engine) encodes a shared
   prefix once; each request's output says how many of its prompt tokens came from the cache
   (`RequestOutput.num_cached_tokens`), and TRL drops that number. The counter reads it back
   from every colocate generate call, so a rollout logs prompt tokens encoded vs reused.
+
+What these touch inside TRL and vLLM (a method of this trainer's own generation object or
+engine, its sleep state) lives in `bipace_trainer.trl_compat`, with the versions it was
+written for.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import types
-import weakref
+
 import torch
+
+from .. import trl_compat
 
 __all__ = [
     "IS_MODES",
@@ -39,7 +40,6 @@ __all__ = [
     "importance_sampling_metrics",
     "equal_prompt_counts",
     "WeightSyncs",
-    "install_cpu_weight_loading",
     "PrefixCacheCounter",
 ]
 
@@ -112,65 +112,27 @@ def equal_prompt_counts(prompt_ids: list[list[int]], target: int, dummy: list[in
 class WeightSyncs:
     """Counts TRL's weight pushes to vLLM and holds them to one per training step.
 
-    Wraps `vllm_generation.sync_weights` (TRL calls it from `_generate_single_turn` when
-    the step changed, and from `generate` whenever sleep mode discarded the weights).
-    `awake()` is the scope of one multi-turn rollout: with colocate sleep mode the engine
-    is woken (weights pushed, since sleep discarded them) before the first turn and put
-    back to sleep after the last one, instead of around every turn.
+    Counts every `sync_weights` call of the trainer's `vllm_generation` (`trl_compat.wrap_sync_weights`:
+    TRL calls it from `_generate_single_turn` when the step changed, and from `generate` whenever
+    sleep mode discarded the weights). `awake()` is the scope of one multi-turn rollout: with
+    colocate sleep mode the engine is woken (weights pushed, since sleep discarded them) before
+    the first turn and put back to sleep after the last one, instead of around every turn.
     """
 
     def __init__(self, vllm_generation):
         self.generation = vllm_generation
         self.count = 0
-        self._sync = vllm_generation.sync_weights
+        self.undo = trl_compat.wrap_sync_weights(vllm_generation, self._counted)
 
-        def counted(this):
-            self.count += 1
-            return self._sync()
+    def _counted(self) -> None:
+        self.count += 1
 
-        vllm_generation.sync_weights = types.MethodType(counted, vllm_generation)
-
-    @contextlib.contextmanager
     def awake(self):
         """Scope of one rollout. With colocate sleep mode: push the weights if sleep
-        discarded them, keep the engine awake across every turn, sleep again at the end.
-        Yields whether it pushed (the weights are then the trainer's current ones)."""
-        generation = self.generation
-        if not (generation.mode == "colocate" and generation.enable_sleep_mode):
-            yield False
-            return
-        pushed = bool(generation._llm_weights_sleeping)
-        if pushed:
-            generation.sync_weights()  # TRL's sync wakes the weights before loading them
-        generation.llm.wake_up(tags=["kv_cache"])
-        generation.enable_sleep_mode = False  # generate() neither re-pushes nor sleeps between turns
-        try:
-            yield pushed
-        finally:
-            generation.enable_sleep_mode = True
-            generation.llm.sleep(level=2)
-            generation._llm_weights_sleeping = True
-
-
-def install_cpu_weight_loading(vllm_generation) -> bool:
-    """On vLLM's CPU build, push colocate weights through `reload_weights` (see module doc).
-
-    Returns whether the shim was installed (colocate mode on a CPU engine only).
-    """
-    if vllm_generation.mode != "colocate":
-        return False
-    runner = vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner
-    if getattr(getattr(runner, "device", None), "type", None) != "cpu" or not hasattr(runner, "reload_weights"):
-        return False
-
-    def sync_weights(this):
-        # The iterator gathers (ZeRO-3) and merges/unmerges LoRA around the walk, as TRL's own sync does.
-        weights = ((name, param.detach().clone()) for name, param in this._iter_named_params())
-        runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        this.llm.reset_prefix_cache()
-
-    vllm_generation.sync_weights = types.MethodType(sync_weights, vllm_generation)
-    return True
+        discarded them, keep the engine awake across every turn, sleep again at the end
+        (`trl_compat.engine_awake`). Yields whether it pushed (the weights are then the
+        trainer's current ones)."""
+        return trl_compat.engine_awake(self.generation)
 
 
 class PrefixCacheCounter:
@@ -193,16 +155,7 @@ class PrefixCacheCounter:
         self.requests = 0  # requests counted since the last take()
         if llm is None:  # fed by hand (`add`): the server stream's replies that report their cache hits
             return
-        # The wrapper lives on the engine, so it holds the engine weakly and its method unbound:
-        # a reference cycle would keep a freed engine (and its memory) alive until a gc pass.
-        generate, engine = type(llm).generate, weakref.ref(llm)
-
-        def counted(*args, **kwargs):
-            outputs = generate(engine(), *args, **kwargs)
-            self.add(outputs)
-            return outputs
-
-        llm.generate = counted
+        trl_compat.wrap_llm_generate(llm, self.add)
 
     @classmethod
     def for_generation(cls, vllm_generation) -> "PrefixCacheCounter | None":

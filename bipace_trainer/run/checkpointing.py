@@ -38,12 +38,12 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import RepeatSampler
 
 from . import run_dir as run_files
+from .run_dir import STATE_FILE
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
 __all__ = [
-    "STATE_FILE",
     "BUFFER_FILE",
     "ENV_COUNTERS_FILE",
     "OVERLAP_FILE",
@@ -54,7 +54,6 @@ __all__ = [
     "EpochSeededRepeatSampler",
 ]
 
-STATE_FILE = "bipace_state.json"
 BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
 ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
 OVERLAP_FILE = "overlap_rollout_rank{rank}.pt"  # the generation played ahead during the last update, per rank

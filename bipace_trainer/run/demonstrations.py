@@ -20,7 +20,8 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from envs.base import TextEnv, make_env
+from envs.base import TextEnv
+from envs.factory import make_env
 
 from ..rollout.prompting import build_messages
 

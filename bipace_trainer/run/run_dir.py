@@ -28,6 +28,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 __all__ = [
     "RUN_FILE",
+    "STATE_FILE",
     "RunDirError",
     "checkpoints",
     "last_checkpoint",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 RUN_FILE = "bipace_run.json"
+STATE_FILE = "bipace_state.json"  # in each checkpoint: the run's id and config, and its own state (`checkpointing`)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 # Settings that make a resumed run another run: refused.
@@ -167,8 +169,6 @@ def run_config(args, model_name: str) -> dict[str, Any]:
 
 
 def _saved_state(checkpoint: Path) -> dict[str, Any]:
-    from .checkpointing import STATE_FILE
-
     try:
         return json.loads((checkpoint / STATE_FILE).read_text())
     except (OSError, ValueError):

@@ -52,7 +52,7 @@ def pair_sign_agreement(
 
 
 def cell_means(values: Sequence[float], cell: Sequence[int]) -> np.ndarray:
-    """Each step's cell mean of `values` (the grouped value proxy V̂(s) = mean_C R of SPEC §4)."""
+    """Each step's cell mean of `values` (the grouped value proxy V̂(s) = mean_C R, docs/concepts/math.md#gae)."""
     values, cell = np.asarray(values, float), np.asarray(cell, np.int64)
     sums = np.bincount(cell, weights=values)
     counts = np.bincount(cell)

@@ -24,7 +24,7 @@
    on pairs of steps from the same true state whose A* differ; RMSE of the value proxy
    V̂ = mean_C R (the cell mean of step returns every baseline compares with) against V*.
    Mean and std over rollout seeds.
-   HGPO's hierarchy (`context_levels` K = 2, SPEC §4 "HGPO") over each partition,
+   HGPO's hierarchy (`context_levels` K = 2, docs/concepts/math.md#hgpo) over each partition,
    with its own level advantage (`{partition}/hierarchy`) and with PACE-Q's
    (`{partition}/hierarchy_pace_q`), beside the same partitions without it.
 4. Context consistency (`context`): how often two steps of one exact-anchor cell differ in
@@ -89,7 +89,7 @@ from bipace_trainer.rollout.prompting import fit_prompt_ids
 from envs.base import resolve_env_class, stratified_subset
 from envs.surface import check_level
 
-GAMMA = 0.95  # SPEC §2 and every recipe's step_gamma
+GAMMA = 0.95  # docs/concepts/math.md#paper-setups and every recipe's step_gamma
 PAPER_SINGLETONS = {"hash": 0.273, "hidden": 0.180}  # BiPACE paper, ALFWorld, Qwen2.5-7B
 BASELINES = ("mean", "pace_q", "pace_diff", "gae")
 PARTITIONS = ("hash", "hidden", "true")

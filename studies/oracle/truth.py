@@ -46,7 +46,8 @@ from typing import Any, Sequence
 
 from bipace_trainer.run.demonstrations import format_reply
 from bipace_trainer.rollout.loop import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
-from envs.base import StepResult, build_env, resolve_env_class
+from envs.base import StepResult, resolve_env_class
+from envs.factory import build_env
 from envs.surface import SurfaceVariation, unwrap
 
 __all__ = ["TruthStep", "TruthBatch", "truth_rollouts", "oracle_values", "TRUTH"]

@@ -1,7 +1,7 @@
-"""Slow, obviously correct references, written from SPEC.md with plain loops.
+"""Slow, obviously correct references, written from docs/concepts/math.md with plain loops.
 
 Nothing here is vectorised or shared with the package: each function follows one
-equation of the SPEC over Python lists, so the package's tensor code can be checked
+equation of that page over Python lists, so the package's tensor code can be checked
 against it on random batches.
 
 A step is a dict with keys: group, traj, t, reward, valid, anchor, key, hidden, and
@@ -54,7 +54,7 @@ def penalties(steps, penalty):
 
 
 def step_returns(steps, gamma, penalty, after=None):
-    """SPEC §2: the penalty is subtracted after the recursion."""
+    """docs/concepts/math.md#step-returns: the penalty is subtracted after the recursion."""
     return [r - p for r, p in zip(env_returns(steps, gamma, after), penalties(steps, penalty))]
 
 
@@ -233,7 +233,7 @@ def gae(steps, cells, gamma, lam, penalty=0.0, after=None):
 
 
 def advantages(steps, settings, eps=None):
-    """The SPEC's A = w_ep A^ep + w_step A^s, for an `EstimatorSettings`-like object.
+    """A = w_ep A^ep + w_step A^s (docs/concepts/math.md#combination), for an `EstimatorSettings`-like object.
 
     Returns (advantages, margin) where margin is the hidden-partition tie margin (inf
     for other partitions).

@@ -1,4 +1,4 @@
-"""Every partition × baseline × norm combination against the loop reference (SPEC §2–§4)."""
+"""Every partition × baseline × norm combination against the loop reference (docs/concepts/math.md)."""
 
 from __future__ import annotations
 

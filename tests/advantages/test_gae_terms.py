@@ -1,5 +1,5 @@
 """GAGPO's per-step terms (`baselines.GaeTerms`, what the rollout dumps show under `gae`): they
-leave the advantages bit-identical, equal a plain-loop transcription of SPEC §4 "gae", and
+leave the advantages bit-identical, equal a plain-loop transcription of docs/concepts/math.md#gae, and
 redo each step's advantage from the terms alone (A_t = w_step (Σ_k (γλ)^k δ_{t+k} - p̃_t - μ_B) /
 (σ_B + 1e-6), w_ep = 0 in the GAE presets)."""
 
@@ -21,7 +21,7 @@ TERM_NAMES = ("value", "next_value", "delta", "discounted_sum", "penalty", "grou
 
 
 def reference_terms(steps, cells, gamma, lam, penalty, bootstrap):
-    """The terms step by step from SPEC §4 "gae", given each step's cell: V̄ the mean env return
+    """The terms step by step from docs/concepts/math.md#gae, given each step's cell: V̄ the mean env return
     of the cell, V̄(s_L) = 0 or the bootstrap R_L, δ, G by its recursion, the penalty centred on
     the cell, then μ_B and unbiased σ_B over the task group's shared steps."""
     members = reference.members_of(cells)

@@ -1,7 +1,7 @@
 """`gigpo` in compatibility mode reproduces the verl-agent GiGPO reference to 1e-5.
 
-Compatibility mode is `episode_stats="steps"` (SPEC §3). Each hand-made case below
-isolates one quirk of the reference that the SPEC names; the property test then
+Compatibility mode is `episode_stats="steps"` (docs/concepts/math.md#episode-stats-steps). Each hand-made case below
+isolates one quirk of the reference that page names; the property test then
 checks arbitrary batches.
 """
 

@@ -1,4 +1,4 @@
-"""HGPO's hierarchy (SPEC §4 "HGPO"): the context levels against a slow reference, the
+"""HGPO's hierarchy (docs/concepts/math.md#hgpo): the context levels against a slow reference, the
 edge cases the issue names, the hierarchy over hidden clusters, settings and diagnostics."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Identities the SPEC says must hold between estimators, and exact hand-made values."""
+"""Identities docs/concepts/math.md says must hold between estimators, and exact hand-made values."""
 
 from __future__ import annotations
 

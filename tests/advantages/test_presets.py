@@ -17,7 +17,7 @@ from bipace_trainer.advantages import (
     resolve_settings,
 )
 
-SPEC_TABLE = {  # SPEC §4 "Named presets": partition, baseline, w_ep, importance ratio
+PRESET_TABLE = {  # docs/concepts/math.md#presets: partition, baseline, w_ep, importance ratio
     "grpo": ("none", None, 1.0, "token"),
     "gigpo": ("hash", "mean", 1.0, "token"),
     "bigpo": ("hidden", "mean", 1.0, "token"),
@@ -28,10 +28,10 @@ SPEC_TABLE = {  # SPEC §4 "Named presets": partition, baseline, w_ep, importanc
 }
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_TABLE))
+@pytest.mark.parametrize("name", sorted(PRESET_TABLE))
 def test_presets_follow_the_spec_table(name):
     s = resolve_settings(name)
-    assert (s.partition, s.baseline, s.w_ep, s.importance_sampling_level) == SPEC_TABLE[name]
+    assert (s.partition, s.baseline, s.w_ep, s.importance_sampling_level) == PRESET_TABLE[name]
     assert s.gamma == 0.95 and s.invalid_penalty == 0.1
 
 

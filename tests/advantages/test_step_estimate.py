@@ -28,7 +28,7 @@ BATCH = dict(
     anchor=["s0", "s1", "s0", "s2", "s0", "s1"],
     action_key=["a", "b", "c", "b", "a", "b"],
 )
-# γ = 0.95; the invalid step's 0.1 penalty is subtracted after discounting (SPEC §2)
+# γ = 0.95; the invalid step's 0.1 penalty is subtracted after discounting (docs/concepts/math.md#step-returns)
 RETURNS = [0.95, 1.0, 0.0, -0.1, 0.0, 0.0]
 
 

@@ -524,7 +524,7 @@ def test_trainer_runs_a_gigpo_step_on_the_generated_shop(tmp_path, cache_dir):
 
 def test_the_score_is_averaged_over_every_episode_with_no_purchase_at_zero():
     from bipace_trainer.rollout.loop import Episode, Rollout
-    from bipace_trainer.trainer import summarise_evaluation
+    from bipace_trainer.run.evaluation import summarise_evaluation
 
     episodes = [Episode(0, 0, 0, {}, score=1.0, won=True), Episode(1, 0, 0, {}, score=0.5), Episode(2, 0, 0, {})]
     assert Rollout([], episodes, {}).metrics()["episode/score"] == pytest.approx(0.5)

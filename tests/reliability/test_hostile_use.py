@@ -25,7 +25,8 @@ from bipace_trainer import BiPACEConfig
 from bipace_trainer.run import run_dir
 from bipace_trainer.reports import show
 from bipace_trainer.rollout import trajectories
-from bipace_trainer.run.checkpointing import STATE_FILE, _out_of_space  # noqa: E402
+from bipace_trainer.run.checkpointing import _out_of_space  # noqa: E402
+from bipace_trainer.run.run_dir import STATE_FILE  # noqa: E402
 from bipace_trainer.reports.model_card import CARD_MARKER, keep_foreign_readme, table_cell  # noqa: E402
 from bipace_trainer.run.resampling import resample_until_signal  # noqa: E402
 from bipace_trainer.run.warm_start import (  # noqa: E402

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.models import load_tokenizer
-from bipace_trainer.trainer import BUFFER_FILE
+from bipace_trainer.run.checkpointing import BUFFER_FILE
 from tests.trainer.tiny_setup import StopAfter, tiny_args
 
 STEPS = 6

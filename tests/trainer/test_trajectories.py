@@ -42,7 +42,8 @@ def test_dumps_and_completion_tables_show_every_step(warm_policy, tmp_path):
         assert episode["invalid_steps"] == sum(not t["valid"] for t in turns)
         assert episode["won"] == (turns[-1]["reward"] > 0)  # the tiny env pays only on reaching the goal
         assert all(t["observation"] and t["branch"] in ("pace", "loo", "singleton") for t in turns)
-        # R_t + p·invalid_t = r_t + γ (R_{t+1} + p·invalid_{t+1}): the penalty is not discounted back (SPEC §2)
+        # R_t + p·invalid_t = r_t + γ (R_{t+1} + p·invalid_{t+1}): the penalty is not discounted back
+        # (docs/concepts/math.md#step-returns)
         raw = [t["return"] + penalty * (not t["valid"]) for t in turns]
         for t in range(len(turns)):
             following = raw[t + 1] if t + 1 < len(turns) else 0.0
