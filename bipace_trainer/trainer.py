@@ -33,7 +33,7 @@ from transformers import ProgressCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from . import memory
+from . import memory, trl_compat
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .micro_batches import loss_in_pieces, piece_weights, split_rows
@@ -217,17 +217,13 @@ class BiPACETrainer(GRPOTrainer):
         """The first `k` reward functions (the user's), unweighted, (n, k), by TRL's `_calculate_rewards` on
         this rank's rows alone: TRL's method ends by gathering over ranks, which assumes every rank scores
         as many rows at once; an evaluation's shards differ or are empty, so that gather is left out."""
-        import trl.trainer.grpo_trainer as grpo_module
-
         saved = self.reward_funcs, self.reward_func_names, self.reward_processing_classes, self.environments
         self.reward_funcs, self.reward_func_names, self.reward_processing_classes = saved[0][:k], saved[1][:k], saved[2][:k]
         self.environments = environments
-        gather = grpo_module.gather
-        grpo_module.gather = lambda tensor: tensor  # rank-local; restored below
         try:
-            return self._calculate_rewards(rows, prompts, completions, completion_ids)
+            with trl_compat.rank_local_gather():
+                return self._calculate_rewards(rows, prompts, completions, completion_ids)
         finally:
-            grpo_module.gather = gather
             self.reward_funcs, self.reward_func_names, self.reward_processing_classes, self.environments = saved
 
     def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
