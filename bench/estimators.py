@@ -87,7 +87,7 @@ def reference_seconds(batch: StepBatch, reference: str = "gigpo") -> float:
 
 def reference_of(preset: str) -> str:
     """The reference a preset is timed against: verl-agent's HGPO for the hierarchy presets."""
-    return "hgpo" if resolve_settings(preset).baseline == "hierarchy" else "gigpo"
+    return "hgpo" if resolve_settings(preset).step_baseline == "hierarchy" else "gigpo"
 
 
 def preset_table(groups_list, dim, repeats, with_reference):

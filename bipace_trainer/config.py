@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -28,40 +29,15 @@ _HGPO = "https://arxiv.org/abs/2602.22817"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
-    f"{name} ({values['partition'] if PARTITIONS[values['partition']].has_cells else 'no'} partition"
-    + (f", {values['baseline']} baseline)" if values.get("baseline") else ")")
+    f"{name} ({values['step_partition'] if PARTITIONS[values['step_partition']].has_cells else 'no'} partition"
+    + (f", {values['step_baseline']} baseline)" if values.get("step_baseline") else ")")
     for name, values in PRESETS.items()
 )
 
-# BiPACEConfig field → the `EstimatorSettings` field it sets: the one place the two names meet.
-# Each defaults to None here ("the preset's value"), so a preset, built in or registered, is
-# honoured unless a recipe or flag sets the field.
-ESTIMATOR_FIELDS = {
-    "step_partition": "partition",
-    "step_baseline": "baseline",
-    "advantage_norm": "norm",
-    "pace_norm": "pace_norm",
-    "w_ep": "w_ep",
-    "w_step": "w_step",
-    "step_gamma": "gamma",
-    "gae_lambda": "lam",
-    "invalid_action_penalty": "invalid_penalty",
-    "episode_stats": "episode_stats",
-    "cluster_eps": "cluster_eps",
-    "target_singleton_rate": "target_singleton_rate",
-    "max_cluster_eps": "max_cluster_eps",
-    "recalibrate_eps_every": "recalibrate_every",
-    "importance_sampling_level": "importance_sampling_level",
-    "bootstrap_truncated": "bootstrap_truncated",
-    "context_levels": "context_levels",
-    "level_baseline": "level_baseline",
-    "level_alpha": "level_alpha",
-    "level_weights": "level_weights",
-    "drop_zero_levels": "drop_zero_levels",
-    "base_group": "base_group",
-}
-
-_CONFIG_FIELD = {theirs: ours for ours, theirs in ESTIMATOR_FIELDS.items()}
+# The estimator's fields: `EstimatorSettings`' own names, which the config shares. Each defaults to
+# None here ("the preset's value"), so a preset, built in or registered, is honoured unless a recipe
+# or flag sets the field.
+ESTIMATOR_FIELDS = tuple(f.name for f in dataclasses.fields(EstimatorSettings))
 
 # The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
 FIELD_GROUPS = {
@@ -108,8 +84,8 @@ class BiPACEConfig(GRPOConfig):
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q` (or one added with
         `bipace_trainer.advantages.register_preset`). Every estimator field below left at
-        `None` takes the preset's value (`ESTIMATOR_FIELDS` maps each to its
-        `EstimatorSettings` name; the defaults in brackets are every built-in preset's).
+        `None` takes the preset's value (`ESTIMATOR_FIELDS`: each is the `EstimatorSettings`
+        field of the same name; the defaults in brackets are every built-in preset's).
     step_partition (`str` or `None`): state partition, `none`, `hash` or `hidden`, or one added
         with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
     step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff`, `gae` or `hierarchy`.
@@ -629,9 +605,8 @@ class BiPACEConfig(GRPOConfig):
                 )
 
     def _resolve_estimator(self) -> EstimatorSettings:
-        """The preset's settings with every estimator field set here on top (`ESTIMATOR_FIELDS`)."""
+        """The preset's settings with every estimator field set here on top, by the shared names (`ESTIMATOR_FIELDS`)."""
         try:
-            return resolve_settings(self.preset, **{theirs: getattr(self, ours) for ours, theirs in ESTIMATOR_FIELDS.items()})
-        except SettingsError as err:
-            ours = _CONFIG_FIELD.get(err.field, err.field)
-            raise ValueError(str(err) if ours == err.field else f"{ours}: {err}") from None
+            return resolve_settings(self.preset, **{name: getattr(self, name) for name in ESTIMATOR_FIELDS})
+        except SettingsError as err:  # the message names the field as here, `step_partition=...`, or is prefixed with it
+            raise ValueError(str(err) if str(err).startswith(f"{err.field}=") else f"{err.field}: {err}") from None

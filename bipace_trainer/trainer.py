@@ -2,21 +2,12 @@
 
     collect (`RolloutCollector`, through `self.policy`) → estimate (`rollout.scoring`) → TRL's loss
 
-The rows of a generation batch are tasks, each repeated `num_generations` times. The collector
-plays them through the rollout's one view of this trainer, `self.policy` (`rollout.policy.TRLPolicy`:
-TRL's own generation, HF or vLLM), capturing hidden states where the run's `HiddenPlan` says;
-every env step becomes one row of TRL's batch with the estimator's advantage. This module is the
-only one that touches TRL's private names: it hands the rollout values and bound methods
-(`TRLGeneration`, `TRLBatchSpec`, `ToolEnvSetup`), and checkpoints a `checkpointing.RunState` value.
-
-Overridden (everything else is TRL's: loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed):
-`__init__` (GRPOTrainer's signature; `rollout_func` refused), `_generate_and_score_completions`
-(the seam above), `_tokenize_prompts` (prompts fitted to the context), `compute_loss` (a generation
-without signal skips its update; micro-batches run in pieces, `micro_batches`), `training_step` (a
-non-finite loss stops the run), `train` (SIGTERM saves and stops; a run whose every episode failed
-raises; the project's model card), `_get_train_sampler`, `_get_output_dir`, `_save_checkpoint`,
-`_load_optimizer_and_scheduler` (atomic checkpoints, exact resumes), `create_model_card`, `save_model`.
-Added: `evaluate_policy`, `on_rollout`, `close_envs`. The guards are listed in docs/RELIABILITY.md.
+Rows of a generation batch are tasks, each `num_generations` times; the collector plays them through
+`self.policy` (`rollout.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch
+with the estimator's advantage. Only this module touches TRL's private names: it hands the rollout
+values and bound methods (`TRLGeneration`, `TRLBatchSpec`, `ToolEnvSetup`) and checkpoints a
+`checkpointing.RunState`. The methods it overrides say why in their docstrings; everything else
+(loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is TRL's. Guards: docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .micro_batches import loss_in_pieces, piece_weights, split_rows
 from .models import load_tokenizer, resolve_model_name
-from .reports.model_card import model_card
+from .reports.model_card import write_model_card
 from .rollout.batching import TRLBatchSpec
 from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
 from .rollout.hidden import HiddenPlan, clamp_layer
@@ -70,12 +61,11 @@ class BiPACETrainer(GRPOTrainer):
         reward_funcs, tools, environment_factory: TRL 1.16's, with its meaning; given
             `environment_factory` or `tools`, the trainer plays TRL's envs (`tool_envs`) and
             `env_name` is not used. eval_dataset: the rows `evaluate_policy` plays then.
-        peft_config, callbacks, reward_processing_classes, optimizers, quantization_config: TRL's.
-        rollout_func: refused: it replaces the generation this trainer plays turn by turn.
+        peft_config, callbacks, reward_processing_classes, optimizers, quantization_config: TRL's;
+        rollout_func: refused (it replaces the generation this trainer plays turn by turn).
 
-    `train()` leaves the project's model card in `output_dir`; call `close_envs()` when done. A
-    subclass changes what it needs through `on_rollout` (each training generation), `evaluate_policy`
-    (what the evaluation callbacks call) and `skip_update_without_signal`.
+    Call `close_envs()` when done. A subclass changes what it needs through `on_rollout`,
+    `evaluate_policy` and `skip_update_without_signal`.
     """
 
     _tag_names = ["trl", "bipace", "multi-turn-agent"]
@@ -495,18 +485,13 @@ class BiPACETrainer(GRPOTrainer):
             self._overlap.load_state_dict(state.prefetched)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, output_dir=None):
-        """The project's card (`model_card.model_card`) as `<output_dir>/README.md`."""
-        if not self.is_world_process_zero():
-            return
-        directory = Path(output_dir or self.args.output_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        source = self.collector.source
-        card = model_card(
-            self.args, self.model, model_name or directory.name, steps=self.state.global_step, env=source.name,
-            report_key=source.report_key, eps=self.estimator.eps_in_use, eval_history=self.eval_history,
-            recipe=getattr(self, "recipe", None),
-        )
-        (directory / "README.md").write_text(card)
+        """The project's card (`model_card.write_model_card`) as `<output_dir>/README.md`."""
+        if self.is_world_process_zero():
+            write_model_card(
+                Path(output_dir or self.args.output_dir), self.args, self.model, model_name, steps=self.state.global_step,
+                source=self.collector.source, eps=self.estimator.eps_in_use, eval_history=self.eval_history,
+                recipe=getattr(self, "recipe", None),
+            )
 
     def save_model(self, output_dir=None, _internal_call=False):
         """TRL's, then the project's card over the blank one PEFT writes next to an adapter

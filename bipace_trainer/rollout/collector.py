@@ -420,7 +420,7 @@ class RolloutCollector:
         try:
             rows = trajectories.step_rows(
                 rollout, estimate, decode=lambda ids: self.policy.decode([ids])[0],
-                gamma=args.estimator.gamma, invalid_penalty=args.estimator.invalid_penalty, rank=rank,
+                gamma=args.estimator.step_gamma, invalid_penalty=args.estimator.invalid_action_penalty, rank=rank,
             )
             if dump is not None:
                 split = "train" if train else "eval"

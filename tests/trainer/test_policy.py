@@ -77,7 +77,8 @@ def test_the_plain_policy_fits_long_prompts_to_the_context(raw_tiny_dir):
     policy = ModelPolicy(model, tokenizer, generation_config_for(config, tokenizer, [tokenizer.eos_token_id]), 12)
     long = [[{"role": "user", "content": "go left " * context}]]
     (ids,) = policy.tokenize(long)
-    assert len(ids) <= context - 12 < len(tokenizer.apply_chat_template(long[0], add_generation_prompt=True, tokenize=True))
+    whole = tokenizer.apply_chat_template(long[0], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert len(ids) <= context - 12 < len(whole)
     out = policy.generate([ids])
     assert len(out.completion_ids) == 1 and out.logprobs is None and out.hidden is None
     assert torch.is_tensor(policy.forward_hidden([ids], -1)) and policy.forward_hidden([ids], -1).shape[0] == 1
