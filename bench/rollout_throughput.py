@@ -359,7 +359,7 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int, reuse=None) 
             reuse.clear()
     # as the collector adds them to a training rollout's counts: vLLM's prefix cache (colocate; a
     # server's streamed replies), what PrefixReuse saved, or every prompt token encoded
-    rollout.prompt_counts.update(trainer.collector._prefix_reuse(rollout))
+    rollout.prompt_counts.update(trainer.policy.prompt_reuse(rollout))
     if not trainer.use_vllm:
         trainer.policy.hf_prefix = None
     metrics = rollout.metrics()
