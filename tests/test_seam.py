@@ -101,3 +101,45 @@ def test_no_function_in_the_package_is_longer_than_60_lines_of_code():
         str(path.relative_to(PACKAGE)): hits for path in sorted(PACKAGE.rglob("*.py")) if (hits := long_functions(path.read_text()))
     }
     assert found == {}, found
+
+
+# ---------------------------------------------------------------------- one owner per concept
+
+
+def test_hidden_capture_is_chosen_once_by_one_rule():
+    from bipace_trainer.rollout.hidden import HiddenPlan
+
+    table = {  # (needs_hidden, hidden_capture, use_vllm) -> source
+        (False, "hook", False): "none", (False, "forward", True): "none",
+        (True, "hook", False): "prefill", (True, "hook", True): "old_logprobs",
+        (True, "forward", False): "forward", (True, "forward", True): "forward",
+    }  # fmt: skip
+    for (needs, capture, vllm), source in table.items():
+        plan = HiddenPlan.choose(needs, capture, vllm, layer=-3)
+        assert (plan.source, plan.layer) == (source, -3)
+        assert plan.in_generation == (source in ("prefill", "forward"))
+
+
+def test_states_captured_apart_from_the_rollout_enter_the_estimators_input_explicitly():
+    import torch
+
+    from bipace_trainer.rollout.loop import Episode, Rollout, StepRecord
+
+    steps = [StepRecord(0, 0, t, [1], [2], "", "", True, None, f"s{t}", 0.0) for t in range(2)]
+    rollout = Rollout(steps, [Episode(0, 0, 0, {}, length=2)], {})
+    assert rollout.step_batch().hidden is None  # nothing captured in the generation
+    states = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(rollout.step_batch(states).hidden, states)
+    assert all(s.hidden is None for s in rollout.steps)  # the steps are left as played
+
+
+def test_cluster_layer_has_one_rule():
+    import pytest
+
+    from bipace_trainer.rollout.hidden import resolve_cluster_layer
+
+    assert [resolve_cluster_layer(4, layer) for layer in (-5, -4, -1, 0, 4)] == [-5, -4, -1, 0, 4]
+    with pytest.warns(UserWarning, match="cluster_layer=-8 is out of range .* using cluster_layer=-4"):
+        assert resolve_cluster_layer(4, -8) == -4
+    with pytest.raises(ValueError, match=r"cluster_layer=5 is out of range .* use -5..4"):
+        resolve_cluster_layer(4, 5)

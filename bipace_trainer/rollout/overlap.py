@@ -165,6 +165,7 @@ class SnapshotPolicy(ModelPolicy):
         super().__init__(
             snapshot_module(module), live.trl.tokenizer, live.trl.generation_config,
             pad_to_multiple_of=live.trl.pad_to_multiple_of, eos_token_ids=live.eos_token_ids,
+            per_forward_rows=live.per_forward_rows,  # the extra hidden-state pass in the live policy's chunks
         )
         self.live, self.spec = live, spec
         live_params = dict(module.named_parameters())
