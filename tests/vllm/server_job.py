@@ -125,6 +125,7 @@ def main():
     policy = trainer.policy
     policy.trl.vllm_generation, policy.use_vllm, trainer.batch_spec.use_vllm = generation, True, True
     policy.weight_syncs = WeightSyncs(generation)
+    trainer.needs_hidden = trainer.needs_hidden  # the HiddenPlan chosen again, now under vLLM
     if continuous:  # what the policy sets up for vllm_mode="server" in continuous mode
         policy.can_stream, policy.prefix_cache = True, PrefixCacheCounter()
         assert trainer.collector.streams
