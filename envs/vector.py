@@ -55,7 +55,7 @@ all of them; add one with `@register_backend("name")` or pass the class as `back
   when isolation matters more than memory. The env must be given by registry name,
   dotted path, or a picklable class or factory. Workers end with `close()`, when
   the VectorEnv is garbage collected, and at interpreter exit; a worker whose parent
-  process died (even by SIGKILL) exits within a second.
+  process died (even by SIGKILL) exits within 5 s (it checks every 0.5 s; docs/RELIABILITY.md).
 """
 
 from __future__ import annotations

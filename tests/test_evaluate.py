@@ -220,3 +220,45 @@ def test_resume_reads_finished_chunks_and_ignores_a_cut_line(tmp_path):
 def test_chunk_seeds_are_fixed_and_distinct():
     seeds = {evaluate.chunk_seed(seed, chunk) for seed in (123, 456, 789) for chunk in range(50)}
     assert len(seeds) == 150 and evaluate.chunk_seed(123, 0) == 123
+
+
+def _a_run(folder, settings=None, config=None, checkpoint=None):
+    """A run's output dir as train.py leaves it: eval_results.json (its evaluations with their settings),
+    and optionally a checkpoint whose bipace_state.json holds the run's config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    history = [{"tag": tag, "split": "valid", "success_rate": 0.5, "num_tasks": 8, **({"settings": settings} if settings else {})}
+               for tag in ("before", "final")]  # fmt: skip
+    (folder / "eval_results.json").write_text(json.dumps(history))
+    if checkpoint:
+        (folder / checkpoint).mkdir()
+        (folder / checkpoint / "bipace_state.json").write_text(json.dumps({"eval_history": [], "config": config}))
+    return folder
+
+
+# what the main job's evaluations record (`run.evaluation.evaluation_settings`)
+MAIN_JOB = {"env": "textcraft", "env_kwargs": {"max_expert_steps": 3}, "max_turns": 6, "history_length": 1,
+            "max_completion_length": 40, "temperature": 0.4, "tasks": 8, "episodes_per_task": 1}  # fmt: skip
+
+
+def test_a_runs_output_dir_is_evaluated_with_the_runs_own_settings(tmp_path):
+    run = _a_run(tmp_path / "run", MAIN_JOB)
+    got = evaluate.parse_args([str(run)])
+    assert (got.env, got.split, got.max_turns, got.history_length, got.max_completion_length, got.env_kwargs,
+            got.temperature, got.tasks, got.episodes_per_task) == (
+        "textcraft", ["valid"], 6, 1, 40, {"max_expert_steps": 3}, 0.4, 8, 1)  # before: test_ood, 30 turns, history 2
+    assert got.protocol_source == f"the run's own evaluation settings ({run / 'eval_results.json'})"
+    flags = evaluate.parse_args([str(run), "--split", "test_ood", "--history_length", "2", "--tasks", "0"])
+    assert (flags.split, flags.history_length, flags.tasks, flags.max_turns) == (["test_ood"], 2, 0, 6)  # flags win
+    other_env = evaluate.parse_args([str(run), "--env", "webshop"])  # the run's settings are textcraft's
+    assert (other_env.split, other_env.max_turns, other_env.history_length) == (["test"], 15, 2)
+    assert evaluate.parse_args(["some/hub-id"]).max_turns == 30  # nothing saved: the protocol
+
+
+def test_a_checkpoint_without_evaluations_gives_its_runs_config(tmp_path):
+    config = {"env_name": "tiny", "env_kwargs": {"size": 4}, "eval_split": "valid", "max_turns": 4, "history_length": 1,
+              "max_completion_length": 16, "eval_temperature": 0.0, "eval_tasks": 2, "eval_rollouts_per_task": 3}
+    run = _a_run(tmp_path / "run", checkpoint="checkpoint-5", config=config)
+    for spec in (run, run / "checkpoint-5"):
+        got = evaluate.parse_args([str(spec)])
+        assert (got.env, got.env_kwargs, got.split, got.max_turns, got.history_length, got.temperature, got.tasks,
+                got.episodes_per_task) == ("tiny", {"size": 4}, ["valid"], 4, 1, 0.0, 2, 3), spec

@@ -21,7 +21,10 @@ ALLOWED = {
     "rollout": {"advantages", "trl_compat"},
     "reports": {"models"},
     "run": {"rollout", "advantages", "reports", "models"},
-    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics", "memory", "trl_compat"},
+    "cli": {
+        "advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics",
+        "memory", "trl_compat",
+    },
     "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
     "micro_batches": set(),

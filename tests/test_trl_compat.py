@@ -43,8 +43,9 @@ def test_a_library_outside_a_patch_range_warns_once_per_patch_naming_it():
     assert sorted(outside) == trl_patches and len(caught) == len(trl_patches)
     for name, warning in zip(outside, caught):
         assert f"patch {name!r} was written for trl>=1.16,<1.17, and trl 1.18.0 is installed" in str(warning.message)
-    with pytest.warns(RuntimeWarning, match="'wrap_llm_generate' was written for vllm>=0.10.2,<0.31.1, and vllm 0.32"):
+    with pytest.warns(RuntimeWarning) as caught:
         vllm = trl_compat.check_versions(lambda library: "0.32.0.dev1+cpu" if "vllm" in library else "1.16.2")
+    assert any("'wrap_llm_generate' was written for vllm>=0.10.2,<0.31.1, and vllm 0.32" in str(w.message) for w in caught)
     assert sorted(vllm) == sorted(n for n, p in trl_compat.PATCHES.items() if "vllm" in p.library)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -89,6 +90,33 @@ def test_wrapping_sync_weights_changes_one_instance_and_is_undone():
     undo()
     ours.sync_weights()
     assert (seen, ours.pushed, "sync_weights" in vars(ours)) == ([0], 2, False)
+
+
+class Engine:
+    """What `engine_awake` calls on vLLM's `LLM`, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+
+def test_the_engine_stays_awake_for_one_rollout_and_sleeps_as_trl_leaves_it():
+    generation = Generation()
+    generation.mode, generation.enable_sleep_mode, generation._llm_weights_sleeping = "colocate", True, True
+    generation.llm = Engine()
+    with trl_compat.engine_awake(generation) as pushed:
+        # TRL's generate neither re-pushes nor sleeps while the flag is off
+        assert pushed and generation.pushed == 1 and generation.enable_sleep_mode is False
+    assert generation.enable_sleep_mode is True and generation._llm_weights_sleeping is True
+    assert generation.llm.calls == [("wake_up", ("kv_cache",)), ("sleep", 2)]
+    generation.mode = "server"
+    with trl_compat.engine_awake(generation) as pushed:
+        assert pushed is False and generation.enable_sleep_mode is True  # nothing to keep awake
 
 
 def test_the_fused_lm_head_settings_are_read_back_from_trls_closure():

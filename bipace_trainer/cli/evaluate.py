@@ -5,6 +5,12 @@
     bipace-eval warm_starts/smollm2-135m-textcraft outputs/my-run --env textcraft   # two models: paired difference
     accelerate launch --num_processes 4 -m bipace_trainer.cli.evaluate MODEL --env webshop --use_vllm
 
+A run's output dir (or a checkpoint in it) is evaluated as the run evaluated itself: its
+saved evaluation settings (`eval_results.json`'s `settings`, else a checkpoint's config: env,
+env_kwargs, split, turns, history, reply length, temperature, tasks) are the defaults, so
+`bipace-eval OUTPUT_DIR` plays what the run's summary reports (on this tool's seeds); each
+flag still wins. Without saved settings, the env's protocol applies.
+
 Protocol (`PROTOCOLS`, each value overridable by its flag): the papers validate at temperature
 0.4 with seeds 123, 456 and 789 (docs/concepts/math.md#paper-setups); ALFWorld on `valid_seen` and `valid_unseen` (the
 official games when `alfworld-download` put them where `envs.alfworld` looks, else the generated
@@ -54,6 +60,7 @@ __all__ = [
     "PROTOCOLS",
     "Protocol",
     "protocol_for",
+    "run_settings",
     "resolve_model",
     "chunk_seed",
     "evaluate_model",
@@ -102,6 +109,51 @@ def protocol_for(env_name: str) -> Protocol:
     splits = resolve_env_class(env_name).splits()
     split = next((s for s in ("valid", "test") if s in splits), splits[-1])
     return Protocol((split,), DEFAULT_PROTOCOL.max_turns, source=DEFAULT_PROTOCOL.source)
+
+
+# A checkpoint's config key -> the bipace-eval setting it defaults (`run_settings`)
+_CONFIG_SETTINGS = {
+    "env_name": "env", "env_kwargs": "env_kwargs", "eval_split": "split", "max_turns": "max_turns",
+    "history_length": "history_length", "max_completion_length": "max_completion_length",
+    "eval_temperature": "temperature", "eval_tasks": "tasks", "eval_rollouts_per_task": "episodes_per_task",
+}  # fmt: skip
+
+
+def run_settings(specs: Sequence[str]) -> tuple[dict[str, Any], str]:
+    """(settings, where they were read) of the first of `specs` that is a run's output dir or a
+    checkpoint in one: how the run played its evaluations, in this tool's flag names; ({}, "")
+    when none saved any (a Hub id, a plain model folder, a run from before they were recorded)."""
+    for spec in specs:
+        path = Path(spec)
+        if not path.is_dir():
+            continue
+        run = path.parent if path.name.startswith("checkpoint-") else path
+        checkpoints = [path] if run is not path else []
+        newest = _newest_checkpoint(run)
+        for source in [*checkpoints, run / "eval_results.json", *([newest] if newest else [])]:
+            found = _saved_settings(source)
+            if found:
+                return found, str(source)
+    return {}, ""
+
+
+def _saved_settings(source: Path) -> dict[str, Any]:
+    """The evaluation settings in an `eval_results.json` (its last evaluation's) or a checkpoint
+    (`bipace_state.json`: its evaluation history's, else its config's); {} if it holds none."""
+    from ..run.run_dir import STATE_FILE
+
+    try:
+        saved = json.loads((source / STATE_FILE if source.is_dir() else source).read_text())
+    except (OSError, ValueError):
+        return {}
+    history = saved if isinstance(saved, list) else saved.get("eval_history", []) if isinstance(saved, dict) else []
+    played = [e for e in history if isinstance(e, dict) and isinstance(e.get("settings"), dict)]
+    if played:
+        return {**played[-1]["settings"], "split": played[-1].get("split")}
+    config = saved.get("config") if isinstance(saved, dict) else None
+    if isinstance(config, dict) and config.get("env_name"):
+        return {name: config[key] for key, name in _CONFIG_SETTINGS.items() if key in config}
+    return {}
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
@@ -589,16 +641,19 @@ def make_parser() -> argparse.ArgumentParser:
         prog="bipace-eval", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("models", nargs="+", help="one model, or two to compare (Hub id, folder, adapter, checkpoint, run)")
-    parser.add_argument("--env", default="textcraft", help="a registered env or package.module:Class (default textcraft)")
-    parser.add_argument("--split", nargs="+", help="splits to play (default: the env's protocol)")
+    # Defaults marked "the run's" come from a run's saved evaluation settings (`run_settings`), else the protocol.
+    parser.add_argument("--env", help="a registered env or package.module:Class (default: the run's, else textcraft)")
+    parser.add_argument("--split", nargs="+", help="splits to play (default: the run's, else the env's protocol)")
     parser.add_argument("--seeds", nargs="+", type=int, help="sampling seeds (default 123 456 789)")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (default 0.4)")
-    parser.add_argument("--max_turns", type=int, help="turn budget (default: the env's protocol)")
-    parser.add_argument("--history_length", type=int, help="past turns in each prompt (default 2)")
-    parser.add_argument("--max_completion_length", type=int, help="tokens per reply (default 512)")
-    parser.add_argument("--env_kwargs", type=json.loads, help='env options as JSON, e.g. \'{"max_expert_steps": 3}\'')
-    parser.add_argument("--tasks", type=int, default=0, help="tasks per split, stratified over task types (0: all)")
-    parser.add_argument("--episodes_per_task", type=int, default=1, help="episodes per task and seed")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default: the run's, else 0.4)")
+    parser.add_argument("--max_turns", type=int, help="turn budget (default: the run's, else the env's protocol)")
+    parser.add_argument("--history_length", type=int, help="past turns in each prompt (default: the run's, else 2)")
+    parser.add_argument("--max_completion_length", type=int, help="tokens per reply (default: the run's, else 512)")
+    parser.add_argument("--env_kwargs", type=json.loads,
+                        help='env options as JSON, e.g. \'{"max_expert_steps": 3}\' (default: the run\'s)')
+    parser.add_argument("--tasks", type=int,
+                        help="tasks per split, stratified over task types (default: the run's eval_tasks, else 0: all)")
+    parser.add_argument("--episodes_per_task", type=int, help="episodes per task and seed (default: the run's, else 1)")
     parser.add_argument("--chunk_size", type=int, default=64, help="episodes played (and saved) together")
     parser.add_argument("--base_model", help="base model of a LoRA adapter (default: the adapter's own record)")
     parser.add_argument("--output_dir", default="outputs/bipace_eval", help="where results and episodes go")
@@ -623,6 +678,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Flags over the env's protocol; bad values exit with one line naming the flag."""
     parser = make_parser()
     settings = parser.parse_args(argv)
+    saved, where = run_settings(settings.models)
+    if settings.env is not None and saved.get("env") not in (None, settings.env):
+        saved, where = {}, ""  # the run played another env: its settings do not apply
+    settings.env = settings.env or saved.get("env") or "textcraft"
     try:
         protocol = protocol_for(settings.env)
     except ValueError as err:
@@ -631,11 +690,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "split": list(protocol.splits), "seeds": list(protocol.seeds), "temperature": protocol.temperature,
         "max_turns": protocol.max_turns, "history_length": protocol.history_length,
         "max_completion_length": protocol.max_completion_length, "env_kwargs": dict(protocol.env_kwargs),
+        "tasks": 0, "episodes_per_task": 1,
     }  # fmt: skip
+    taken = {name: saved[name] for name in defaults if saved.get(name) is not None}
+    if "split" in taken:
+        taken["split"] = [taken["split"]]
+    defaults.update(taken)
     for name, value in defaults.items():
         if getattr(settings, name) is None:
             setattr(settings, name, value)
-    settings.protocol_source = protocol.source
+    settings.protocol_source = f"the run's own evaluation settings ({where})" if taken else protocol.source
     vllm_flags = [f"--{name}" for name in VLLM_FLAGS if getattr(settings, name) is not None]
     if vllm_flags and not settings.use_vllm:
         parser.error(f"{', '.join(vllm_flags)}: vLLM settings without --use_vllm; add --use_vllm or drop them.")
@@ -672,6 +736,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     settings = parse_args(argv)
+    if settings.protocol_source.startswith("the run's"):  # say what is played, and that flags change it
+        print(f"settings from {settings.protocol_source[4:]}: env {settings.env}, split {' '.join(settings.split)}, "
+              f"{settings.max_turns} turns, history {settings.history_length}, temperature {settings.temperature}, "
+              f"{settings.tasks or 'all'} tasks x {settings.episodes_per_task} per seed (flags override)", flush=True)
     result = run(settings, progress=lambda line: print(line, flush=True))
     if result is not None:
         print(result["markdown"])

@@ -72,6 +72,16 @@ def project_url() -> str | None:
     return home if home and home != "UNKNOWN" else None
 
 
+def install_line() -> str:
+    """How to install the project, for a card that has no project URL to link: it is not on PyPI
+    (`pip install bipace-trainer` finds nothing), so from a checkout of its repository, with the
+    torch this run used (the README's pin gets a CPU build on a CPU machine)."""
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    return f"not on PyPI; from a checkout of its repository: `pip install torch=={version} -e .`"
+
+
 def tracker_links(report_to: list[str]) -> list[str]:
     """Where the run's metrics are: the trackers' run URLs when they have one."""
     links = []
@@ -178,7 +188,7 @@ def model_card(
     peft = getattr(model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()
-    project = f"[{PROJECT}]({url})" if url else f"{PROJECT} (`pip install {PROJECT}`)"
+    project = f"[{PROJECT}]({url})" if url else f"{PROJECT} ({install_line()})"
     trackers = tracker_links(args.report_to) if trackers is None else trackers
     lines = [
         "---",

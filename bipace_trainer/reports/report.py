@@ -37,8 +37,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .run_summary import evaluation_summary, learning_curve
-from .show import load_episodes
+from .run_summary import eval_marker, evaluation_summary, intervals_overlap, learning_curve
+from .show import load_episodes, printable, task_goal
 
 __all__ = [
     "REPORT_FILE",
@@ -70,19 +70,19 @@ GAE_LABELS = (("value", "V̄", ".3f"), ("next_value", "next V̄", ".3f"), ("delt
 # Beyond this many episodes per dump the page shows the first ones and says so (a recipe's dump
 # holds 128 episodes of up to 50 turns; a page of 15 such dumps would not open).
 DEFAULT_MAX_EPISODES = 256
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
+# The diagnostics grid's top margin (px): room for plotly's toolbar (~28 px, shown on hover at the
+# top right) above the first row's panel titles, which it covered in a margin of 30.
+GRID_TOP_MARGIN = 64
 
 
 # ---------------------------------------------------------------------------------------------- reading
 
 
 def escape_text(value: Any) -> str:
-    """`value` as HTML text: markup escaped, control characters shown as `\\xNN`, lone surrogates replaced."""
-    text = "" if value is None else str(value)
-    text = text.encode("utf-8", "replace").decode("utf-8")
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-    return html.escape(text, quote=True)
+    """`value` as HTML text: markup escaped, and control characters (bidirectional overrides such
+    as U+202E, which would show the text after them reversed, included) made visible as `show`
+    makes them (`show.printable`: `\\x1b`, `\\u202e`); lone surrogates replaced."""
+    return "" if value is None else html.escape(printable(value), quote=True)
 
 
 def _read_json(path: Path) -> Any:
@@ -163,7 +163,7 @@ def _held_out_traces(eval_history: Sequence[dict[str, Any]]) -> list[Any]:
                 x=[e.get("step", 0) for e, _ in summaries],
                 y=[s["success_rate"] for _, s in summaries],
                 mode="markers",
-                marker={"symbol": "diamond", "size": 10},
+                marker={"symbol": eval_marker(tag, 1), "size": 10},  # "before" and "final" read apart
                 name=f"held-out success ({tag}, 95% CI)",
                 error_y={
                     "type": "data", "symmetric": False,
@@ -180,7 +180,6 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
     """{title: plotly Figure}: the rates (training-batch success, success over every rollout played,
     valid-action rate, held-out success with its 95% interval), the loss, and the diagnostics."""
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
     curve = learning_curve(log_history)
     figures: dict[str, Any] = {}
@@ -196,6 +195,10 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
         rates.add_trace(trace)
     if rates.data:
         rates.update_layout(yaxis={"range": [-0.05, 1.05], "title": "rate"})
+        overlap = intervals_overlap(eval_history)
+        if overlap:  # two held-out points that look apart may differ by chance alone
+            rates.add_annotation(text=overlap, xref="paper", yref="paper", x=1, y=0, xanchor="right", yanchor="bottom",
+                                 showarrow=False, font={"size": 11}, bgcolor="rgba(255,255,255,0.8)")
         figures["Success and valid actions"] = rates
     losses = [(row["step"], row["loss"]) for row in curve if "loss" in row]
     if losses:
@@ -204,25 +207,44 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
         figures["Loss"] = loss
     series = diagnostic_series(log_history)
     if series:
-        columns = 3
-        rows = -(-len(series) // columns)
-        grid = make_subplots(rows=rows, cols=columns, subplot_titles=list(series), vertical_spacing=0.5 / rows)
-        for i, (key, points) in enumerate(series.items()):
-            grid.add_trace(
-                go.Scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers", name=key),
-                row=i // columns + 1, col=i % columns + 1,
-            )
-        grid.update_layout(height=max(260, 190 * rows), showlegend=False)
-        grid.update_annotations(font_size=11)
-        figures["Estimator diagnostics"] = grid
+        figures["Estimator diagnostics"] = _diagnostics_grid(series)
     short = bool(curve) and curve[-1]["step"] <= 20  # a short run: whole steps only on the axes
     for name, figure in figures.items():
-        figure.update_layout(template="plotly_white", margin={"l": 50, "r": 20, "t": 30, "b": 40})
+        # the grid's first row of panel titles sits in the top margin, below the toolbar (not under it)
+        top = GRID_TOP_MARGIN if name == "Estimator diagnostics" else 30
+        figure.update_layout(template="plotly_white", margin={"l": 50, "r": 20, "t": top, "b": 40})
         if short:
             figure.update_xaxes(dtick=1)
         if name != "Estimator diagnostics":  # its panels are small: their titles say what they show
             figure.update_xaxes(title_text="RL optimizer step")
     return figures
+
+
+def _diagnostics_grid(series: dict[str, list[tuple[int, float]]]):
+    """One small panel per diagnostic, each on its own y axis. A constant series (a calibrated ε
+    of 0.00066) would sit on plotly's default ±1 axis and read as 0: its axis is drawn around its
+    value instead, and its title says the value."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    columns = 3
+    rows = -(-len(series) // columns)
+    titles = [f"{key} = {points[0][1]:.3g} (constant)" if _constant(points) else key for key, points in series.items()]
+    grid = make_subplots(rows=rows, cols=columns, subplot_titles=titles, vertical_spacing=0.5 / rows)
+    for i, (key, points) in enumerate(series.items()):
+        where = {"row": i // columns + 1, "col": i % columns + 1}
+        grid.add_trace(go.Scatter(x=[s for s, _ in points], y=[v for _, v in points], mode="lines+markers", name=key), **where)
+        if _constant(points):
+            value = points[0][1]
+            half = abs(value) / 2 or 1.0
+            grid.update_yaxes(range=[value - half, value + half], **where)
+    grid.update_layout(height=max(260, 190 * rows) + GRID_TOP_MARGIN - 30, showlegend=False)
+    grid.update_annotations(font_size=11)
+    return grid
+
+
+def _constant(points: Sequence[tuple[int, float]]) -> bool:
+    return len({value for _, value in points}) == 1
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -394,15 +416,21 @@ def turn_row(turn: dict[str, Any], ids: dict[str, str], scale: float) -> str:
     return f"<tr {attrs}>{''.join(cells)}</tr>"
 
 
+def _goal(episode: dict[str, Any], width: int = 80) -> str:
+    """The task's goal for an episode's summary line (`show.task_goal`), cut at `width`, as HTML text."""
+    goal = task_goal(episode)
+    return html.escape(goal[: width - 1] + "…" if len(goal) > width else goal, quote=True)
+
+
 def episode_html(episode: dict[str, Any], dump_index: int, dump_name: str, key: str | None, scale: float) -> str:
-    """One episode as a <details>: a summary line, the task, then one row per turn."""
+    """One episode as a <details>: a summary line (the task's goal in it), the whole task, then one row per turn."""
     number = episode.get("episode")
     anchor = f"e{dump_index}-{escape_text(episode.get('rank', 0))}-{escape_text(number)}"
     kind = "" if key is None else f"{key}={(episode.get('attributes') or {}).get(key)}"
     result = outcome(episode)
     summary = " · ".join([
         escape_text(dump_name.removesuffix(".jsonl")), f"episode {escape_text(number)}",
-        f"task {escape_text(episode.get('task_id'))}",
+        f"task {escape_text(episode.get('task_id'))}", f'<span class="goal">{_goal(episode)}</span>',
         escape_text(kind), f'<span class="outcome {result.replace(" ", "-")}">{result}</span>',
         f"{escape_text(episode.get('turns_taken', len(episode.get('turns', []))))} turns",
         f"{escape_text(episode.get('invalid_steps', 0))} invalid", f"reward {_number(episode.get('reward'), '.2f')}",
@@ -474,7 +502,7 @@ table.data td, table.data th { border: 1px solid #ddd; padding: .25em .5em; text
 details.episode { border: 1px solid #ddd; margin: .4em 0; border-radius: 4px; }
 details.episode > summary { padding: .35em .6em; cursor: pointer; background: #f6f8fa; font-size: .9em; }
 .outcome.won { color: #1a7f37; font-weight: bold; } .outcome.lost, .outcome.truncated { color: #cf222e; }
-.outcome.env-failure { color: #9a6700; }
+.outcome.env-failure { color: #9a6700; } .goal { color: #333; }
 p.task { margin: .4em .6em; font-size: .85em; color: #555; white-space: pre-wrap; }
 table.turns { border-collapse: collapse; width: 100%; font-size: .8em; table-layout: fixed; }
 table.turns th { background: #eee; text-align: left; padding: .2em .4em; }

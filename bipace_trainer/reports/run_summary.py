@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 __all__ = [
     "wilson_interval", "learning_curve", "plot_learning_curve", "evaluation_summary", "format_evaluation", "CURVE_FILE",
+    "EVAL_MARKERS", "eval_marker", "intervals_overlap",
 ]
 
 CURVE_FILE = "learning_curve.png"
@@ -36,6 +37,16 @@ _COLUMNS = {
     "train/resamples": "resamples",
     "episode/success_rate_all_played": "played_success",
 }
+
+
+# The held-out evaluations' markers by occasion (matplotlib's, plotly's), so "before" and "final"
+# read apart on the learning curve and in the report; any other occasion gets the last.
+EVAL_MARKERS = {"before": ("o", "circle-open"), "interval": ("s", "square"), "final": ("D", "diamond"), "": ("P", "cross")}
+
+
+def eval_marker(tag: Any, library: int) -> str:
+    """The marker of an evaluation occasion (`EVAL_MARKERS`): `library` 0 for matplotlib, 1 for plotly."""
+    return EVAL_MARKERS.get(tag, EVAL_MARKERS[""])[library]
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -71,7 +82,9 @@ def plot_learning_curve(
     curve: Sequence[dict[str, float]], path: str | Path, evaluations: Sequence[dict[str, Any]] = (), title: str = ""
 ) -> Path:
     """Batch success and valid-action rate (left axis) and loss (right axis) per RL step,
-    with the held-out evaluations (`trainer.eval_history`) as points and 95% intervals."""
+    with the held-out evaluations (`trainer.eval_history`) as points and 95% intervals, a
+    marker per occasion (`EVAL_MARKERS`), and "intervals overlap" written when those of the
+    evaluations before and after training do (`intervals_overlap`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,8 +110,8 @@ def plot_learning_curve(
         rate = evaluation["success_rate"]
         low, high = wilson_interval(round(rate * n), n)
         rates.errorbar(
-            [evaluation["step"]], [rate], yerr=[[rate - low], [high - rate]], fmt="D", color="black", capsize=4,
-            label=f"held-out success ({evaluation['tag']}, n={n}, 95% CI)",
+            [evaluation["step"]], [rate], yerr=[[rate - low], [high - rate]], fmt=eval_marker(evaluation.get("tag"), 0),
+            color="black", capsize=4, label=f"held-out success ({evaluation['tag']}, n={n}, 95% CI)",
         )
     rates.set_xlabel("RL optimizer step")
     rates.set_ylabel("rate")
@@ -114,7 +127,8 @@ def plot_learning_curve(
     if losses:
         extra_handles, extra_labels = loss_axis.get_legend_handles_labels()
         handles, labels = handles + extra_handles, labels + extra_labels
-    rates.legend(handles, labels, fontsize=7, loc="upper left")
+    # two held-out points that look apart may differ by chance alone: the legend says so
+    rates.legend(handles, labels, fontsize=7, loc="upper left", title=intervals_overlap(evaluations), title_fontsize=7)
     rates.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -137,6 +151,20 @@ def evaluation_summary(evaluation: dict[str, Any] | None) -> dict[str, Any] | No
         "valid_action_rate": evaluation.get("valid_action_rate"),
         "step": evaluation.get("step"),
     }
+
+
+def intervals_overlap(evaluations: Sequence[dict[str, Any]]) -> str | None:
+    """'intervals overlap: before 0.14-0.69, final 0.22-0.78 (95%)' when the held-out success
+    intervals of the evaluation before training and the final one overlap (the change is within
+    what chance gives on so few episodes), else None (no overlap, or not both evaluated)."""
+    last = {e.get("tag"): evaluation_summary(e) for e in evaluations if evaluation_summary(e) is not None}
+    before, final = last.get("before"), last.get("final")
+    if before is None or final is None:
+        return None
+    (low_b, high_b), (low_f, high_f) = before["ci95"], final["ci95"]
+    if max(low_b, low_f) > min(high_b, high_f):
+        return None
+    return f"intervals overlap: before {low_b:.2f}-{high_b:.2f}, final {low_f:.2f}-{high_f:.2f} (95%)"
 
 
 def format_evaluation(label: str, summary: dict[str, Any] | None) -> str:

@@ -4,7 +4,7 @@
     python -m bipace_trainer.reports.show outputs/run/rollouts/step-000010.jsonl --episode 3
     python -m bipace_trainer.reports.show outputs/run/rollouts/step-000010.jsonl --summary
 
-Each episode starts with a one-line summary (episode id, task, won or not, turns,
+Each episode starts with a one-line summary (episode id, task and its goal, won or not, turns,
 invalid replies, env reward), then every turn: the observation the env showed, the
 reply, the parsed action (marked when invalid), the reward, the return R_t, and the
 advantage, green when positive and red when negative, with the cell (cluster id) and
@@ -16,7 +16,8 @@ Files come from `--rollout_dump_steps` (`bipace_trainer.rollout.trajectories`).
 The file is read line by line (a dump of any size takes one episode's memory). A line
 that is not an episode record (not a JSON object, or a field of the wrong type) is
 skipped and counted on stderr. Text from the env or the model is shown with its control
-characters escaped (`\\x1b`), so a dump cannot move the cursor or retitle the terminal.
+characters escaped (`\\x1b`, `\\u202e`), so a dump cannot move the cursor, retitle the terminal or
+reverse the text after it; the report escapes the same characters (`printable`).
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-__all__ = ["load_episodes", "iter_episodes", "record_problem", "printable", "summary_line", "render_episode", "main"]
+__all__ = [
+    "load_episodes", "iter_episodes", "record_problem", "printable", "task_goal", "summary_line", "render_episode", "main",
+]
 
 RESET, BOLD, DIM, RED, GREEN, YELLOW = "\033[0m", "\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[33m"
 TEXT_WIDTH = 100
-# C0 controls but newline and tab, DEL, C1 controls, and the bidirectional overrides that reorder
-# what a terminal shows ("Trojan source"): what a log viewer must not pass to the terminal raw.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# C0 controls but newline and tab, DEL, C1 controls, the line and paragraph separators, and the
+# bidirectional controls that reorder what follows them ("Trojan source": U+202E shows the rest of
+# a line reversed): what a terminal or the report (`report.escape_text`) must not show raw.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# A task line that states the goal: TextCraft's "Goal: craft stick." comes after its crafting commands.
+_GOAL_LINE = re.compile(r"(goal\b|your task is\b)", re.IGNORECASE)
 _NUMBER_FIELDS = ("reward", "turns_taken", "invalid_steps")
 _TURN_NUMBER_FIELDS = ("turn", "reward", "return", "advantage")
 
@@ -107,8 +113,24 @@ def load_episodes(path: str | Path, skipped: list[tuple[int, str]] | None = None
     return list(iter_episodes(path, skipped))
 
 
+def task_goal(episode: dict[str, Any]) -> str:
+    """What an episode's task asks for, on one line (printable): the task's line that states the
+    goal ("Goal: craft stick.", "Your task is to: ..."), else the env's `goal` attribute when it is
+    text, else the task itself. A long task (TextCraft lists its crafting commands first) cut at
+    its start would never show its goal."""
+    lines = [" ".join(line.split()) for line in printable(episode.get("task") or "").splitlines()]
+    lines = [line for line in lines if line]
+    stated = [line for line in lines if _GOAL_LINE.match(line)]
+    if stated:
+        return stated[-1]
+    goal = (episode.get("attributes") or {}).get("goal") if isinstance(episode.get("attributes"), dict) else None
+    if isinstance(goal, str) and goal.strip():
+        return f"goal: {' '.join(printable(goal).split())}"
+    return " ".join(lines)
+
+
 def _task(episode: dict[str, Any], width: int = 60) -> str:
-    task = " ".join(printable(episode.get("task") or "").split())
+    task = task_goal(episode)
     label = f"task {printable(episode.get('task_id'))}"
     return f"{label} {task[: width - 1] + '…' if len(task) > width else task}".rstrip()
 

@@ -287,7 +287,7 @@ class RolloutCollector:
         )
 
     # -- envs
-    def _envs(self, name: str, num_envs: int) -> VectorEnv:
+    def envs_for(self, name: str, num_envs: int) -> VectorEnv:
         """A VectorEnv of `num_envs` envs, kept across generations (rebuilt if the size changes)."""
         envs = self.envs.get(name)
         if envs is None or envs.num_envs != num_envs:
@@ -332,7 +332,7 @@ class RolloutCollector:
         which runs it on the main thread (`check_failures`)."""
         if policy is not None:
             return self._collect_in_background(name, tasks, traj_offset, policy)
-        envs = self._envs(name, len(tasks)) if tasks else None
+        envs = self.envs_for(name, len(tasks)) if tasks else None
         with self.policy.rollout_scope():
             # Continuous ranks play on their own, unless generation gathers across ranks (vLLM
             # call by call): then every rank makes the same number of calls.
@@ -348,7 +348,7 @@ class RolloutCollector:
         return rollout
 
     def _collect_in_background(self, name: str, tasks: list[TaskRef], traj_offset: int, policy: Policy) -> Rollout:
-        envs = self._envs(name, len(tasks)) if tasks else None
+        envs = self.envs_for(name, len(tasks)) if tasks else None
         rollout = run_rollouts(
             envs, tasks, functools.partial(self.generate_turn, policy=policy), self.settings, sync=LocalSync(),
             traj_offset=traj_offset, adapter=self.source.adapter(self.settings),

@@ -41,7 +41,9 @@ multiplies the advantages by it, `batching.training_batch` computes it). What ma
 - Errors: an env failure is an episode failure, as in the foreground; any other exception in
   the thread is raised on the main thread, with its traceback, when the rollout is joined.
   Evaluation and checkpoint saves join the thread first (`join`); a checkpoint stores the
-  prefetched rollout (`state_dict`), so a resumed run trains on the same episodes.
+  prefetched rollout (`state_dict`), so a resumed run trains on the same episodes, and logs
+  the same env/* counters for them (the train envs are built when it is taken, with the
+  checkpoint's counters).
 """
 
 from __future__ import annotations
@@ -397,9 +399,19 @@ class RolloutOverlap:
                 continue
             if prefetched.rows is rows or (attr == "resumed" and prefetched.rows == rows):
                 setattr(self, attr, None)
+                if attr == "resumed":
+                    self._build_resumed_envs(rows)
                 return prefetched
         self.ready = None  # rows it was played for never came (the schedule changed): not trained on
         return None
+
+    def _build_resumed_envs(self, rows: list[dict[str, Any]]) -> None:
+        """Build the train envs a resumed generation was played on, now, with the counters the
+        checkpoint restored: this step logs the env/* metrics the uninterrupted run logs (they
+        count that generation's play) instead of none. The next generation plays on them anyway."""
+        tasks = self.collector.task_refs(rows, group_size=self.num_generations)
+        if tasks:
+            self.collector.envs_for("train", len(tasks))
 
     def start_next(self, rows: list[dict[str, Any]]) -> bool:
         """Start playing the generation after `rows` on a background thread with a snapshot of

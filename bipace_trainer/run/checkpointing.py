@@ -15,8 +15,9 @@ state) plus the run's own state:
   dataset rows, its rollout with the behaviour log-probs and the step whose weights played it,
   so the resumed run trains on the same episodes, corrected by the same ratio.
 
-`bipace_state.json` also records the run's id and config (`run_dir`), which a resume
-compares with its own. `save_atomically` writes all of it into a staging folder and
+`bipace_state.json` also records the run's id, TensorBoard folder name and config
+(`run_dir`): a resume compares the config with its own, and takes the identity with it,
+so a checkpoint copied anywhere resumes as the same run. `save_atomically` writes all of it into a staging folder and
 renames it into place (a full disk stops the run with `CheckpointWriteError`, the
 previous checkpoint intact); the state it saves is a value (`RunState`), not the trainer;
 `load_run_state` reads it back; `EpochSeededRepeatSampler` makes a resumed
@@ -149,7 +150,7 @@ def _write_run_state(state: RunState, directory: Path, args: Any, rank: int, mod
     if args.should_save:
         saved = {"estimator": state.estimator, "eval_history": state.eval_history}
         # whose run this is and with which settings, for a resume to compare (`run_dir.compare_with_checkpoint`)
-        saved["run_id"] = run_files.run_id(args.output_dir)
+        saved.update(run_files.run_identity(args.output_dir))  # its run id, carried wherever it is copied
         saved["config"] = run_files.run_config(args, model_name)
         (directory / STATE_FILE).write_text(json.dumps(saved))
     if state.env_counters is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "EVAL_FILE",
     "Evaluates",
     "play_evaluation",
+    "evaluation_settings",
     "logged_values",
     "keep_result",
     "write_history",
@@ -45,6 +46,17 @@ __all__ = [
 ]
 
 EVAL_FILE = "eval_results.json"
+
+
+def evaluation_settings(args) -> dict[str, Any]:
+    """The settings an evaluation was played with, in `bipace-eval`'s flag names (`cli.evaluate`
+    reads them back as its defaults for the run's output dir). A dict inside the result: not logged."""
+    env_kwargs = json.loads(json.dumps(args.env_kwargs, default=str))  # eval_results.json takes JSON values only
+    return {
+        "env": args.env_name, "env_kwargs": env_kwargs, "max_turns": args.max_turns,
+        "history_length": args.history_length, "max_completion_length": args.max_completion_length,
+        "temperature": args.eval_temperature, "tasks": args.eval_tasks, "episodes_per_task": args.eval_rollouts_per_task,
+    }  # fmt: skip
 
 
 def episode_record(episode: Episode, reports_score: bool) -> dict[str, Any]:
@@ -115,6 +127,7 @@ def play_evaluation(
     records = gather_object(records) if world > 1 else records
     result = summarise_evaluation(records, collector.source.report_key)
     result.update(step=step, tag=tag, split=split, seconds=time.perf_counter() - start)
+    result["settings"] = evaluation_settings(collector.args)  # so `bipace-eval OUTPUT_DIR` plays it again as it was played
     return result
 
 

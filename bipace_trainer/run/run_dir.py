@@ -11,6 +11,12 @@ pass `--overwrite_output_dir true` (its checkpoints are removed first), or pick 
 folder. Each run gets an id in `<output_dir>/bipace_run.json`; every checkpoint records
 the id and the config of the run that saved it (`checkpointing`), so a resume can tell a
 checkpoint of this run from another's, and a changed setting from the saved one.
+
+A checkpoint carries its run's identity, so it resumes wherever it is: copied with or
+without its folder to new storage, or passed as `--resume_from_checkpoint PATH` with a
+fresh `--output_dir`, the resumed run takes the checkpoint's id (and TensorBoard folder
+name) and saves on as the same run. What is refused is a resume that would mix two runs'
+checkpoints in one folder (`mixed_runs`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ __all__ = [
     "last_checkpoint",
     "begin_run",
     "run_id",
+    "run_identity",
+    "mixed_runs",
     "tensorboard_dir",
     "keep_tensorboard_dir",
     "run_config",
@@ -94,6 +102,13 @@ def run_id(output_dir: str | os.PathLike) -> str | None:
     return _run_record(output_dir).get("run_id")
 
 
+def run_identity(output_dir: str | os.PathLike) -> dict[str, str]:
+    """What a checkpoint records of whose run it is (`run_id`, `tensorboard_dir`), so that it
+    resumes as the same run wherever it is copied (`begin_run`)."""
+    record = _run_record(output_dir)
+    return {key: record[key] for key in ("run_id", "tensorboard_dir") if isinstance(record.get(key), str)}
+
+
 def _names(paths: list[Path]) -> str:
     names = [p.name for p in paths]
     return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)})"
@@ -105,9 +120,11 @@ def begin_run(
     """Check that `output_dir` can take this run and record its id; returns the id.
 
     A new run (`resume` None) in a folder with checkpoints is refused unless `overwrite`,
-    which removes them (and a half-written `.staging`) first. A resumed run keeps the
-    folder's id; the checkpoint it resumes from must be this run's (`compare_with_checkpoint`).
-    Only the process with `write` (the main one) removes and records anything.
+    which removes them (and a half-written `.staging`) first. A resumed run (`resume`: the
+    checkpoint, or True for the folder's last) takes the id the checkpoint carries, wherever
+    the checkpoint is (`_resumed_record`), unless that would mix two runs' checkpoints in the
+    folder (`mixed_runs`: refused). Only the process with `write` (the main one) removes and
+    records anything.
     """
     folder = Path(output_dir)
     found = checkpoints(folder)
@@ -123,13 +140,65 @@ def begin_run(
                 shutil.rmtree(path, ignore_errors=True)
             print(f"overwrite_output_dir: removed {_names(found)} of the earlier run in {folder}.")
     current = _run_record(folder) if resume else {}
-    if current.get("run_id") is None and write:
+    if resume:
+        checkpoint = last_checkpoint(folder) if resume is True else Path(resume)
+        current = _resumed_record(folder, checkpoint, current) if checkpoint is not None else current
+    if write and (current.get("run_id") is None or current != _run_record(folder)):
         from transformers.integrations.integration_utils import default_logdir
 
-        current = {"run_id": uuid.uuid4().hex, "tensorboard_dir": default_logdir()}
+        if current.get("run_id") is None:
+            current = {"run_id": uuid.uuid4().hex, "tensorboard_dir": default_logdir()}
         folder.mkdir(parents=True, exist_ok=True)
         (folder / RUN_FILE).write_text(json.dumps(current))
     return current.get("run_id")
+
+
+def _resumed_record(folder: Path, checkpoint: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """The run record `folder` takes when `checkpoint` resumes into it: the checkpoint's own
+    identity (whatever the folder's record says: a run that saved no checkpoint there, or a
+    folder copied without its record, is no other run); the folder's record for a checkpoint
+    from before run ids were recorded. Refused (`RunDirError`) if it would mix two runs."""
+    problem = mixed_runs(folder, checkpoint)
+    if problem:
+        raise RunDirError(problem)
+    carried = _saved_state(checkpoint)
+    if not isinstance(carried.get("run_id"), str):
+        return record
+    same = record.get("run_id") == carried["run_id"]
+    board = carried.get("tensorboard_dir") or (record.get("tensorboard_dir") if same else None)
+    if board is None:
+        from transformers.integrations.integration_utils import default_logdir
+
+        board = default_logdir()
+    return {**record, "run_id": carried["run_id"], "tensorboard_dir": board}
+
+
+def mixed_runs(output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> str | None:
+    """Why resuming `checkpoint` with `output_dir` would mix two runs' checkpoints in one folder
+    (the resumed run's saves beside another run's, `--resume_from_checkpoint true` then picking
+    whichever is newest), or None. Judged by the run id each checkpoint carries (`checkpointing`),
+    not by the folder's record; checkpoints from before run ids were recorded are no evidence."""
+    folder, checkpoint = Path(output_dir), Path(checkpoint)
+    carried = _saved_state(checkpoint).get("run_id")
+    if not carried:
+        return None
+    here = checkpoint.resolve()
+    others = [p for p in checkpoints(folder) if p.resolve() != here and _saved_state(p).get("run_id") not in (None, carried)]
+    if not others:
+        return None
+    if here.parent == folder.resolve():
+        return (
+            f"{folder} holds checkpoints of two runs ({checkpoint.name} and {_names(others)} were saved by different "
+            f"runs): move {checkpoint.name} to a folder of its own and resume it there with --output_dir NEW_FOLDER "
+            f"--resume_from_checkpoint NEW_FOLDER/{checkpoint.name} (a checkpoint carries its run's identity), "
+            f"or move the other run's checkpoints out."
+        )
+    return (
+        f"{checkpoint} was saved by another run than the checkpoints in --output_dir {folder} ({_names(others)}): "
+        "resuming it there would mix two runs. Give it a folder of its own: --output_dir NEW_OR_EMPTY_FOLDER "
+        f"--resume_from_checkpoint {checkpoint} resumes it exactly (a checkpoint carries its run's identity); "
+        f"--resume_from_checkpoint true resumes the run in {folder}."
+    )
 
 
 def _run_record(output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -180,21 +249,18 @@ def compare_with_checkpoint(
 ) -> tuple[list[str], list[str]]:
     """(refusals, warnings) for resuming `checkpoint` with `args` and `model_name`.
 
-    Refused: a checkpoint of another run than `output_dir`'s, and a change of what the run
-    is (`REFUSED_CHANGES`: model, env, preset and the estimator it resolves to, group size).
-    Warned: every other changed setting that is not bookkeeping (`FREE_CHANGES`), with what
-    it does on a resume. A checkpoint from before run ids and configs were recorded gives neither.
+    Refused: a resume that would mix two runs' checkpoints in `output_dir` (`mixed_runs`),
+    and a change of what the run is (`REFUSED_CHANGES`: model, env, preset and the estimator
+    it resolves to, group size). Warned: every other changed setting that is not bookkeeping
+    (`FREE_CHANGES`), with what it does on a resume. A checkpoint from before run ids and
+    configs were recorded gives neither.
     """
     checkpoint = Path(checkpoint)
     state = _saved_state(checkpoint)
     refusals, warnings = [], []
-    inside = output_dir is not None and checkpoint.resolve().parent == Path(output_dir).resolve()
-    folder_id = run_id(output_dir) if inside else None  # a checkpoint from elsewhere may start a new folder
-    if state.get("run_id") and folder_id and state["run_id"] != folder_id:
-        refusals.append(
-            f"{checkpoint.name} was saved by another run than the one recorded in {output_dir} ({RUN_FILE}): "
-            "resume from a checkpoint of this run, or start over with --overwrite_output_dir true."
-        )
+    mixed = mixed_runs(output_dir, checkpoint) if output_dir is not None else None
+    if mixed:
+        refusals.append(mixed)
     saved = state.get("config")
     if not saved:
         return refusals, warnings

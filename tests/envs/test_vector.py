@@ -341,6 +341,12 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
 
 
+# What docs/RELIABILITY.md promises: every worker of a SIGKILLed trainer has exited within this
+# many seconds. Each checks its parent every 0.5 s; measured 0.02-0.69 s on 2 cores at load 9-18
+# (2026-12-05, bench.orphan_exit), 1.7-2.8 s reported at load 13: the bound leaves room for a loaded machine.
+ORPHAN_EXIT_SECONDS = 5.0
+
+
 @pytest.mark.slow
 def test_process_workers_exit_when_the_trainer_is_sigkilled(tmp_path):
     root = str(Path(__file__).resolve().parents[2])
@@ -352,11 +358,13 @@ def test_process_workers_exit_when_the_trainer_is_sigkilled(tmp_path):
     assert len(pids) == 2
     time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
     proc.wait()
-    deadline = time.monotonic() + 5.0
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    while any(_alive(pid) for pid in pids) and time.monotonic() < killed + 3 * ORPHAN_EXIT_SECONDS:
+        time.sleep(0.02)
+    seconds = time.monotonic() - killed
+    assert not any(_alive(pid) for pid in pids), "an orphaned worker survived"
+    assert seconds <= ORPHAN_EXIT_SECONDS, f"the workers took {seconds:.2f} s to exit (promised: {ORPHAN_EXIT_SECONDS} s)"
 
 
 HEAVY_MAIN_SCRIPT = """

@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -109,12 +110,46 @@ def test_a_new_run_in_an_old_runs_output_dir_is_refused_before_any_weights_load(
     assert run_dir.checkpoints(tmp_path / "out") == [] and run_dir.run_id(tmp_path / "out") != "old"
 
 
-def test_resuming_a_checkpoint_of_another_run_is_refused(tmp_path):
+def test_resuming_a_checkpoint_into_a_folder_of_another_runs_checkpoints_is_refused(tmp_path):
     _old_run(tmp_path / "out", run="old")
-    (tmp_path / "out" / run_dir.RUN_FILE).write_text(json.dumps({"run_id": "new"}))  # the folder's run is another
-    args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", "true"])
-    with pytest.raises(train.ConfigError, match="checkpoint-3 was saved by another run"):
+    _old_run(tmp_path / "elsewhere", steps=(5,), run="other")
+    foreign = tmp_path / "elsewhere" / "checkpoint-5"
+    args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(foreign)])
+    with pytest.raises(train.ConfigError, match=rf"{foreign} was saved by another run than the checkpoints in --output_dir "
+                       rf".*checkpoint-1, checkpoint-2, checkpoint-3.*would mix two runs.*--output_dir NEW_OR_EMPTY_FOLDER "
+                       rf"--resume_from_checkpoint {foreign} resumes it exactly"):  # fmt: skip
         train.prepare_output_dir(*args)
+    assert run_dir.run_id(tmp_path / "out") == "old"  # nothing recorded
+    # a folder that already mixes two runs: resuming its newest checkpoint says which to move
+    (tmp_path / "out" / "checkpoint-5").mkdir()
+    (tmp_path / "out" / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    (tmp_path / "out" / "checkpoint-5" / STATE_FILE).write_text(json.dumps({"run_id": "other"}))
+    args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", "true"])
+    with pytest.raises(train.ConfigError, match=r"holds checkpoints of two runs \(checkpoint-5 and checkpoint-1, "
+                       r"checkpoint-2, checkpoint-3 were saved by different runs\): move checkpoint-5"):  # fmt: skip
+        train.prepare_output_dir(*args)
+
+
+@pytest.mark.parametrize("layout", ["checkpoints copied into a new folder", "a failed try's record", "a fresh output_dir"])
+def test_a_checkpoint_carries_its_run_and_resumes_wherever_it_is(layout, tmp_path):
+    _old_run(tmp_path / "old", steps=(1, 2), run="r1")
+    for name in ("checkpoint-1", "checkpoint-2"):  # bipace_state.json as a checkpoint now writes it
+        state = tmp_path / "old" / name / STATE_FILE
+        state.write_text(json.dumps({"run_id": "r1", "tensorboard_dir": "runs/Dec05_r1", "config": None}))
+    out, resume = tmp_path / "new", "true"
+    if layout == "a fresh output_dir":
+        resume = str(tmp_path / "old" / "checkpoint-2")
+    else:
+        out.mkdir()
+        for name in ("checkpoint-1", "checkpoint-2"):
+            shutil.copytree(tmp_path / "old" / name, out / name)
+    if layout == "a failed try's record":  # what a refused try wrote before: a new id, no checkpoint of its own
+        (out / run_dir.RUN_FILE).write_text(json.dumps({"run_id": "new", "tensorboard_dir": "runs/new"}))
+    args = train.parse_args([*TINY, "--output_dir", str(out), "--resume_from_checkpoint", resume])
+    train.prepare_output_dir(*args)
+    assert args[1].resume_from_checkpoint.endswith("checkpoint-2")
+    assert json.loads((out / run_dir.RUN_FILE).read_text()) == {"run_id": "r1", "tensorboard_dir": "runs/Dec05_r1"}
+    assert run_dir.tensorboard_dir(out) == out / "runs/Dec05_r1"  # the resumed run writes on in its run's folder
 
 
 def test_a_resume_refuses_what_changes_the_run_and_warns_for_overrides(tmp_path, capsys):

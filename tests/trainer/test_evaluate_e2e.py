@@ -117,3 +117,26 @@ def test_two_processes_play_a_slice_each_and_gather(warm_policy_dir, tmp_path):
     ranks = {e["rank"] for p in (out / "model" / "rollouts").glob("*.jsonl") for e in load_episodes(p)}
     assert ranks == {0, 1}  # each chunk of 2 episodes was split over both processes
     assert proc.stdout.count("| all |") == 1  # one table, from the main process
+
+
+@pytest.mark.slow
+def test_a_trained_runs_output_dir_is_evaluated_as_the_run_evaluated_itself(warm_policy_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from bipace_trainer import BiPACETrainer
+    from bipace_trainer.models import load_tokenizer
+
+    from .tiny_setup import tiny_args
+
+    args = tiny_args(tmp_path / "run", max_steps=1, eval_tasks=2, eval_temperature=0.2, max_turns=3, preset="grpo")
+    trainer = BiPACETrainer(AutoModelForCausalLM.from_pretrained(warm_policy_dir), args=args,
+                            processing_class=load_tokenizer(warm_policy_dir))
+    trainer.train()
+    trainer.save_model()
+    trainer.close_envs()
+    final = trainer.eval_history[-1]
+    assert final["tag"] == "final" and "eval/settings" not in trainer.state.log_history[-1]  # kept, not logged
+    got = evaluate.parse_args([str(tmp_path / "run"), "--use_cpu"])
+    assert (got.env, got.env_kwargs, got.split, got.max_turns, got.history_length, got.max_completion_length,
+            got.temperature, got.tasks, got.episodes_per_task) == (
+        "tiny", args.env_kwargs, [final["split"]], 3, args.history_length, args.max_completion_length, 0.2, 2, 1)

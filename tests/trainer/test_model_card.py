@@ -41,7 +41,12 @@ def test_the_card_pushed_with_a_recipe_run(warm_policy_dir, tmp_path, monkeypatc
     assert "**tiny**" in card and "preset **gigpo**" in card and f"- recipe: `{path}`" in card
     # the project's own link only when its metadata states one, never a placeholder
     assert "https://github.com/)" not in card
-    assert (f"[bipace-trainer]({project_url()})" if project_url() else "bipace-trainer (`pip install bipace-trainer`)") in card
+    # without one, the install that works: there is no bipace-trainer on PyPI
+    import torch
+
+    checkout = f"bipace-trainer (not on PyPI; from a checkout of its repository: `pip install torch=={torch.__version__.split('+')[0]} -e .`)"
+    assert (f"[bipace-trainer]({project_url()})" if project_url() else checkout) in card
+    assert "pip install bipace-trainer" not in card
     # evaluation per task type, after and before training
     final, before = summary["success_after"], summary["success_before"]
     assert f"| all | {final:.3f} | {before:.3f} |" in card
@@ -81,5 +86,6 @@ def test_the_card_from_plain_values_without_a_trainer(tmp_path):
     assert f"- cluster layer {args.cluster_layer}, ε 0.05" in card
     assert "| depth | success after training | before training |" in card
     assert "| all | 0.625 | 0.250 |" in card and "| depth=1 | 0.750 | 0.500 |" in card and "| depth=2 | 0.500 | – |" in card
+    assert "pip install bipace-trainer" not in card and ("-e .`" in card or "](" in card.split("trained with step-level RL by")[1])
     no_eval = model_card(args, model, "my-agent", steps=0, env="tiny", report_key=None, eps=None, eval_history=[])
     assert "No final evaluation was run." in no_eval and "- no clustering ε" in no_eval

@@ -328,6 +328,8 @@ def test_an_error_in_the_background_rollout_stops_the_run(warm_policy_dir, tmp_p
 
 @pytest.mark.slow
 def test_resume_with_a_prefetched_generation_continues_as_if_uninterrupted(warm_policy_dir, tmp_path):
+    from tests.reliability.test_resume import timing
+
     from .test_checkpoints import comparable_logs
 
     settings = dict(max_staleness=1, max_steps=4, save_strategy="steps", save_steps=2)
@@ -349,6 +351,12 @@ def test_resume_with_a_prefetched_generation_continues_as_if_uninterrupted(warm_
     logs = [e for e in resumed.state.log_history if "loss" in e]
     assert [e["rollout/staleness"] for e in logs[-2:]] == [1.0, 1.0]  # the stored generation, then a new one
     assert comparable_logs(resumed)[-2:] == comparable_logs(straight)[-2:]
+    # every key of the uninterrupted run's log, env/* counters included, and every value but timings
+    steps = [[e for e in run.state.log_history if "loss" in e][-2:] for run in (resumed, straight)]
+    assert [sorted(e) for e in steps[0]] == [sorted(e) for e in steps[1]]
+    assert [{k: v for k, v in e.items() if not timing(k)} for e in steps[0]] == \
+        [{k: v for k, v in e.items() if not timing(k)} for e in steps[1]]
+    assert steps[0][0]["env/steps"] == steps[1][0]["env/steps"] > 0
     final_straight, final_resumed = lora_state(straight.model), lora_state(resumed.model)
     for name in final_straight:
         torch.testing.assert_close(final_resumed[name], final_straight[name])
