@@ -52,7 +52,7 @@ FIELD_GROUPS = {
         "env_name", "env_kwargs", "max_turns", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
         "eval_temperature", "env_backend", "env_workers", "env_step_timeout", "rollout_batch_size", "rollout_mode",
-        "max_staleness", "hf_prefix_cache", "hf_prefix_cache_store_mb", "require_think", "action_key_tokens",
+        "max_staleness", "hf_prefix_cache", "hf_prefix_cache_store_mb", "shared_prefix", "require_think", "action_key_tokens",
         "resample_without_signal", "resample_max_seconds", "penalize_env_failures",
         "tool_errors",
     ),
@@ -176,6 +176,12 @@ class BiPACEConfig(GRPOConfig):
     hf_prefix_cache_store_mb (`int`, 256): bound in MB of the KV `hf_prefix_cache` keeps across the
         calls of one rollout (least recently used first; cleared when the rollout ends); 0 keeps
         none (sharing within a call only).
+    shared_prefix (`bool`, True): the update's forward passes (and the old and reference log-prob
+        passes) compute a token prefix that rows share once (`shared_prefix.py`): a task group's
+        common prompt, and an episode whose turns each extend the one before as one sequence. The
+        same log-probs, entropies and gradients as TRL's row-by-row forward, checked against it on
+        the first call; off (logged once) under flash attention, ZeRO-3 and FSDP.
+        See docs/performance.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,
@@ -356,6 +362,13 @@ class BiPACEConfig(GRPOConfig):
     )
     hf_prefix_cache_store_mb: int = field(
         default=256, metadata={"help": "MB of KV hf_prefix_cache keeps across a rollout's calls (0: within a call only)."}
+    )
+    shared_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Update: forward a prefix that rows share (a task's prompt, an episode's earlier turns) once, in "
+            "packed rows; the same log-probs and gradients (docs/performance.md). false: TRL's row-by-row forward."
+        },
     )
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
     action_key_tokens: int = field(default=0, metadata={"help": "Key actions on their first k tokens (0: text)."})

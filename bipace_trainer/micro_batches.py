@@ -43,13 +43,23 @@ def split_rows(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
     rows = prompt_mask.shape[0]
     if rows <= size:
         return [inputs]
+    order = torch.argsort(prompt_mask.sum(1) + completion_mask.sum(1), stable=True)
+    return take_rows(inputs, [order[start : start + size].tolist() for start in range(0, rows, size)])
+
+
+def take_rows(inputs: dict[str, Any], runs: list[list[int]]) -> list[dict[str, Any]]:
+    """One piece per list of row indices in `runs`, each trimmed to the columns its own rows use
+    (as `split_rows` describes); `[inputs]` for a single run of every row."""
+    prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+    rows = prompt_mask.shape[0]
+    if len(runs) == 1 and len(runs[0]) == rows:
+        return [inputs]
     width = inputs["completion_ids"].shape[1]
     prompt_lengths = prompt_mask.sum(1)
     completion_lengths = completion_mask.sum(1)
-    order = torch.argsort(prompt_lengths + completion_lengths, stable=True)
     pieces = []
-    for start in range(0, rows, size):
-        index = order[start : start + size]
+    for run in runs:
+        index = torch.tensor(run, dtype=torch.long, device=prompt_mask.device)
         keep_prompt = max(int(prompt_lengths[index].max()), 1)
         keep_completion = max(int(completion_lengths[index].max()), 1)
         piece = {}

@@ -7,7 +7,8 @@ Rows of a generation batch are tasks, each `num_generations` times; the collecto
 with the estimator's advantage. Only this module touches TRL's private names: it hands the rollout
 values and bound methods (`TRLGeneration`, `TRLBatchSpec`, `ToolEnvSetup`) and checkpoints a
 `checkpointing.RunState`. The methods it overrides say why in their docstrings; everything else
-(loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is TRL's. Guards: docs/RELIABILITY.md.
+(loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is TRL's; with `shared_prefix` each shared
+token prefix is forwarded once in TRL's log-prob passes (`shared_prefix.py`). Guards: docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from trl.extras.profiling import profiling_context
 from . import memory, trl_compat
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
-from .micro_batches import loss_in_pieces, piece_weights, split_rows
+from .micro_batches import loss_in_pieces, piece_weights, split_rows, take_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import write_model_card
 from .rollout.batching import TRLBatchSpec
@@ -41,6 +42,7 @@ from .rollout.tool_envs import ToolEnvSetup, check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
+from .shared_prefix import SharedPrefixForward
 from .trl_metrics import generation_trl_metrics, loss_metric_names
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted"]
@@ -145,6 +147,7 @@ class BiPACETrainer(GRPOTrainer):
             self.policy, source, args, self.accelerator, self.hidden_plan, sharded=self._sharded_forward()
         )
         self._sync = self.collector.sync
+        self._shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
 
     def _sharded_forward(self) -> bool:
@@ -362,7 +365,9 @@ class BiPACETrainer(GRPOTrainer):
             for name in loss_metric_names(self.loss_type, self.beta):  # TRL's loss metrics: logged, unknown (None)
                 self._metrics["train"][name].append(float("nan"))
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-        pieces = split_rows(inputs, self.args.per_device_train_batch_size)
+        size = self.args.per_device_train_batch_size
+        runs = self._shared_prefix.pieces(inputs, size) if self._shared_prefix is not None else None
+        pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
         if len(pieces) == 1:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned for: the
@@ -378,6 +383,20 @@ class BiPACETrainer(GRPOTrainer):
             self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False, scale_wrt_gas=False)
         else:
             self.accelerator.backward(loss)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        """TRL's, or the same values with each shared prefix forwarded once (`shared_prefix.py`)."""
+        trl = super()._get_per_token_logps_and_entropies
+
+        def plain(m=model, ids=input_ids, mask=attention_mask):
+            return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
+
+        shared = getattr(self, "_shared_prefix", None)
+        if shared is None or not shared.applies(compute_aux_loss, extra):
+            return plain()
+        return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                          compute_entropy, plain)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

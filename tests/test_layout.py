@@ -23,7 +23,7 @@ ALLOWED = {
     "run": {"rollout", "advantages", "reports", "models"},
     "cli": {
         "advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics",
-        "memory", "trl_compat",
+        "memory", "trl_compat", "shared_prefix",
     },
     "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
     "models": set(),
@@ -31,8 +31,10 @@ ALLOWED = {
     "trl_metrics": set(),
     "memory": {"trl_compat"},
     "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
+    "shared_prefix": set(),
     "trainer": {
         "advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory", "trl_compat",
+        "shared_prefix",
     },
     "__init__": {"config", "trainer", "rollout"},
 }
