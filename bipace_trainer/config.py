@@ -67,6 +67,17 @@ _FINITE_FIELDS = (
 )
 
 
+# Sizes (tokens, rows, passes) that must be >= 1 when set; None leaves TRL's default.
+_SIZE_FIELDS = (
+    "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+    "generation_batch_size", "steps_per_generation",
+)
+
+
+def _is_size(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
 def _is_finite_number(value: Any) -> bool:
     try:
         return math.isfinite(float(value))
@@ -516,6 +527,9 @@ class BiPACEConfig(GRPOConfig):
         checks = [
             (self.num_generations >= 2, "num_generations", "must be >= 2: group-relative estimators compare rollouts"),
             (self.max_turns >= 1, "max_turns", "must be >= 1"),
+            # sizes TRL and transformers take as given: 0 fails after the weights load (max_completion_length)
+            # or as a ZeroDivisionError inside GRPOConfig (per_device_train_batch_size)
+            *((_is_size(getattr(self, name)), name, "must be >= 1") for name in _SIZE_FIELDS),
             (self.history_length >= 0, "history_length", "must be >= 0 (0 = no history)"),
             (self.tasks_per_iteration is None or self.tasks_per_iteration >= 1, "tasks_per_iteration",
              "must be >= 1 (or unset: TRL's schedule)"),

@@ -23,6 +23,7 @@ Register your own env with the decorator, or pass a dotted path to `make_env` (`
 from __future__ import annotations
 
 import importlib
+import traceback
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
@@ -206,17 +207,39 @@ def registered_envs() -> list[str]:
     return sorted(set(_REGISTRY) | set(_LAZY))
 
 
+def _import_env_module(name: str, module_name: str):
+    """Import an env's module. ImportError (a missing package or name) is the caller's to word;
+    anything else the module raises while importing (a RuntimeError, a SyntaxError) becomes one
+    ValueError naming the module, the error and where it was raised, so that train.py can refuse
+    the setting in one line before any model loads instead of printing the module's traceback."""
+    try:
+        return importlib.import_module(module_name)
+    except (ImportError, EnvUnavailableError):
+        raise
+    except Exception as err:  # noqa: BLE001 - a user's module can raise anything at import time
+        if isinstance(err, SyntaxError):
+            where = f"{err.filename}:{err.lineno}"
+            what = f"SyntaxError: {err.msg}"
+        else:
+            frame = traceback.extract_tb(err.__traceback__)[-1]
+            where = f"{frame.filename}:{frame.lineno}"
+            what = " ".join(f"{type(err).__name__}: {err}".split())
+        raise ValueError(
+            f"env={name!r}: importing module {module_name!r} raised {what} ({where}); fix that module, "
+            "or pick another env."
+        ) from None
+
+
 def resolve_env_class(name: str) -> type[TextEnv]:
     """Look `name` up in the registry, or import it as "package.module:ClassName" (a `TextEnv` subclass)."""
     if name not in _REGISTRY and name in _LAZY:
-        importlib.import_module(_LAZY[name])
+        _import_env_module(name, _LAZY[name])
     if name in _REGISTRY:
         return _REGISTRY[name]  # type: ignore[return-value]
     if ":" in name or "." in name:
         module_name, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
         try:
-            module = importlib.import_module(module_name)
-            env_class = getattr(module, attr)
+            env_class = getattr(_import_env_module(name, module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"env={name!r}: could not import {attr!r} from {module_name!r} ({err}).") from err
         if not (isinstance(env_class, type) and issubclass(env_class, TextEnv)):

@@ -2,3 +2,8 @@
 
 May import everything in the package; nothing in the package imports `cli/`.
 """
+
+from . import threads
+
+# before any command line imports torch: libgomp reads OMP_WAIT_POLICY once, when it loads
+threads.choose()

@@ -48,6 +48,8 @@ from bipace_trainer.trainer import BiPACETrainer  # noqa: E402
 from bipace_trainer.run import run_dir  # noqa: E402
 from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
 from bipace_trainer.config import FIELD_GROUPS  # noqa: E402
+from bipace_trainer.cli import preflight, threads  # noqa: E402
+from bipace_trainer.cli.preflight import ConfigError  # noqa: E402  (train.ConfigError, as before)
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
 from bipace_trainer.reports.report import write_report  # noqa: E402
@@ -104,11 +106,6 @@ MAIN_JOB_ENV_KWARGS = {"textcraft": {"max_expert_steps": 3}}
 EXIT_STOPPED = 143
 # Exit code of a run refused for a bad setting (argparse's, for any usage error).
 EXIT_USAGE = 2
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work, found before any weights load: train.py prints the message
-    (field, value, fix) as one line and exits with EXIT_USAGE, without a traceback."""
 
 
 @dataclass
@@ -315,6 +312,21 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
             print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
 
 
+def push_model(trainer: BiPACETrainer) -> str | None:
+    """`trainer.push_to_hub`; a push that fails (network, token, permissions) costs the run nothing: the
+    model stays saved in output_dir, and the error and how to push it later are said. Returns the error or None."""
+    args = trainer.args
+    try:
+        trainer.push_to_hub(commit_message=f"{args.preset} on {args.env_name}")
+    except Exception as err:  # noqa: BLE001 - any failure of the upload; the trained model is already on disk
+        error = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        if trainer.accelerator.is_main_process:
+            print(f"warning: push_to_hub failed ({error}); the trained model is saved in {args.output_dir}: push it "
+                  f"later with `hf upload {args.hub_model_id or Path(args.output_dir).name} {args.output_dir}`.")
+        return error
+    return None
+
+
 def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
     """`<output_dir>/trainer_state.json` (the log the report reads) and `<output_dir>/report.html`
     (`bipace_trainer.reports.report`), by the main process; None elsewhere or if the page fails (the run is done)."""
@@ -332,14 +344,16 @@ def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
 
 
 def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
+    preflight.check_run(training_args, model_args)
     prepare_output_dir(script_args, training_args, model_args)
     trainer, warm_start = build_trainer(script_args, training_args, model_args)
+    push_error = None
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         if not trainer.interrupted:  # a stopped run is not final: its weights stay in its last checkpoint
             trainer.save_model(training_args.output_dir)
             if training_args.push_to_hub:
-                trainer.push_to_hub(commit_message=f"{training_args.preset} on {training_args.env_name}")
+                push_error = push_model(trainer)
     finally:
         trainer.close_envs()
 
@@ -354,6 +368,7 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
         "per_type_after": evals.get("final", {}).get("per_type", {}),
         "output_dir": training_args.output_dir,
         "stopped": trainer.interrupted,
+        "push_error": push_error,  # the model is saved in output_dir; the exit code is 1
         "warm_start": warm_start,
         "before": evaluation_summary(evals.get("before")),
         "after": evaluation_summary(evals.get("final")),
@@ -468,8 +483,10 @@ def _flag_value(argv: list[str], *names: str) -> str | None:
 
 
 def usage_error(message: str) -> None:
-    """Exit as argparse does on a bad flag (code 2, `train.py: error: ...`), without a traceback."""
-    sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {message}\n")
+    """Exit as argparse does on a bad flag (code 2, `train.py: error: ...`), without a traceback.
+    Every rank of a launched run finds the same mistake: rank 0 alone says it."""
+    if preflight.is_main_rank():
+        sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {message}\n")
     sys.exit(EXIT_USAGE)
 
 
@@ -481,6 +498,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     try:
         env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
         parser = make_parser(main_job="--config" not in argv, env_name=env_name, printing="--print_config" in argv)
+        if preflight.deepspeed_on_cpu():  # else "train_batch_size 2 != 2 * 1 * 2" once the model has loaded
+            parser.set_defaults(use_cpu=True)
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
         usage_error(str(err))
@@ -502,6 +521,13 @@ def explicit_settings(argv: list[str], recipe: str | None) -> set[str]:
 
 def run() -> None:
     """`python train.py` and the console script `bipace-train`: parse, train, exit with the run's status."""
+    argv = sys.argv[1:]
+    if preflight.is_main_rank() and not {"-h", "--help", "--print_config"} & set(argv):
+        print(threads.describe(), flush=True)
+    try:
+        preflight.check_launch(argv)
+    except ConfigError as err:  # before parsing: parsing a launched run starts its process group
+        usage_error(str(err))
     # with --print_config stdout carries the YAML alone: the env checks' notes go to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if "--print_config" in sys.argv else contextlib.nullcontext()
     with quiet:
@@ -516,7 +542,7 @@ def run() -> None:
     except CheckpointWriteError as err:  # a full disk: one line, the previous checkpoint intact
         sys.stderr.write(f"{os.path.basename(sys.argv[0]) or 'train.py'}: error: {err}\n")
         sys.exit(1)
-    sys.exit(EXIT_STOPPED if summary["stopped"] else 0)
+    sys.exit(EXIT_STOPPED if summary["stopped"] else 1 if summary["push_error"] else 0)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,33 @@ def test_register_decorator_and_custom_name(monkeypatch):
 
 def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(envs.__file__))
+
+
+@pytest.mark.parametrize(
+    "source,error",
+    [
+        ("raise RuntimeError('the engine server is down')", "RuntimeError: the engine server is down"),
+        ("def broken(:\n    pass\n", "SyntaxError"),
+        ("x = {}['missing']", "KeyError: 'missing'"),
+    ],
+)
+def test_an_env_module_that_fails_on_import_is_one_valueerror_naming_module_error_and_line(
+    source, error, tmp_path, monkeypatch
+):
+    """Only ImportError was caught: a RuntimeError or a SyntaxError in the env's module escaped as its traceback."""
+    (tmp_path / "broken_env_mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_env_mod", raising=False)
+    with pytest.raises(ValueError) as err:
+        envs.resolve_env_class("broken_env_mod:MyEnv")
+    message = str(err.value)
+    assert "env='broken_env_mod:MyEnv'" in message and "'broken_env_mod'" in message, message
+    assert error in message and "broken_env_mod.py:1" in message and "\n" not in message, message
+
+
+def test_a_lazily_registered_engine_that_fails_on_import_is_one_valueerror(tmp_path, monkeypatch):
+    (tmp_path / "lazy_broken_mod.py").write_text("raise RuntimeError('no display')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(base._LAZY, "lazy-broken", "lazy_broken_mod")
+    with pytest.raises(ValueError, match=r"env='lazy-broken': importing module 'lazy_broken_mod' raised RuntimeError"):
+        envs.resolve_env_class("lazy-broken")
