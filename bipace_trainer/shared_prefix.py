@@ -362,7 +362,7 @@ class SharedPrefixForward:
         if not self.enabled or compute_aux_loss or any(v is not None for v in extra.values()):
             return False
         trainer = self.trainer
-        capturing = trainer.use_vllm and trainer.needs_hidden and trainer.args.hidden_capture == "hook"
+        capturing = trainer.hidden_plan.source == "old_logprobs"  # the run's `HiddenPlan`
         return not (capturing and not torch.is_grad_enabled())
 
     def logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
@@ -397,7 +397,7 @@ class SharedPrefixForward:
         budget = size * max(len(s) for s in sequences)
         runs = group_rows(sequences, budget)
         if self.trainer.accelerator.num_processes > 1:
-            runs = group_rows(sequences, budget, count=self.trainer._sync.max(len(runs)))
+            runs = group_rows(sequences, budget, count=self.trainer.collector.sync.max(len(runs)))
         return runs
 
     def _count(self, plan: Plan, attention_mask: torch.Tensor) -> None:
@@ -418,7 +418,7 @@ class SharedPrefixForward:
         error = self._layout_error(model, input_ids, attention_mask, logits_to_keep, plain) if rows else 0.0
         tolerance = max(1e-3, 64 * torch.finfo(self._dtype(model)).eps)
         bad = not (math.isfinite(error) and error <= tolerance)
-        if not self.trainer._sync.any(bad):
+        if not self.trainer.collector.sync.any(bad):
             return True
         self.enabled = False
         logger.warning(

@@ -333,7 +333,7 @@ def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
     for shared in (True, False):
         lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
         trainer = _trainer(tmp_path, shared, beta=0.04, per_device_train_batch_size=2, peft_config=lora)
-        out, _ = reference_logps(trainer, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+        out, _ = reference_logps(trainer.batch_spec, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                  inputs["completion_mask"], force_old=True)
         values.append(out)
     assert values[0].keys() == values[1].keys() == {"old_per_token_logps", "ref_per_token_logps"}
