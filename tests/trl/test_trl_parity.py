@@ -330,6 +330,15 @@ def test_scale_rewards_is_the_estimators_normalisation(scale, norm):
     assert advantage.tolist() == pytest.approx([0.75 / divisor] + [-0.25 / divisor] * 3)
 
 
+@pytest.mark.parametrize("preset", ["grpo", "bipace_q", "hgpo", "graphgpo", "bigraphgpo"])
+def test_plain_prompts_take_the_episode_term_of_every_preset(preset):
+    """Plain prompts (one-step episodes): every preset, the graph ones included, becomes its episode term."""
+    config = BiPACEConfig(**COMMON, preset=preset)
+    config.set_one_step_estimator()
+    s = config.estimator
+    assert (s.step_partition, s.step_baseline, s.w_ep, s.w_step, s.step_return) == ("none", None, 1.0, 0.0, "discounted")
+
+
 def test_scale_rewards_and_advantage_norm_that_contradict_each_other_stop_the_config():
     with pytest.raises(ValueError, match="scale_rewards='none' asks for advantage_norm='mean' but advantage_norm='mean_std'"):
         BiPACEConfig(**COMMON, scale_rewards="none", advantage_norm="mean_std")
