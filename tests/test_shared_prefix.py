@@ -24,9 +24,13 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 class _TRL:
-    """What TRL's `_get_per_token_logps_and_entropies` reads from its trainer: the accelerator's autocast."""
+    """What TRL's `_get_per_token_logps_and_entropies` reads from its trainer: the accelerator's autocast.
+    Made at each use: a TrainingArguments built by an earlier test resets accelerate's shared state,
+    which an accelerator made at import would then miss."""
 
-    accelerator = Accelerator(cpu=True)
+    @property
+    def accelerator(self) -> Accelerator:
+        return Accelerator(cpu=True)
 
 
 def tiny_model(attn: str = "sdpa", seed: int = 0, lora: bool = False, checkpointing: bool = False):
@@ -72,7 +76,7 @@ def plain(model, input_ids, attention_mask, keep, batch_size=None):
 
 def shared(model, input_ids, attention_mask, keep, kind="bool"):
     plan = plan_layout(input_ids, attention_mask, keep)
-    logps, entropies = packed_logps(model, plan, kind, torch.float32, True, _TRL.accelerator.autocast)
+    logps, entropies = packed_logps(model, plan, kind, torch.float32, True, _TRL().accelerator.autocast)
     return logps, entropies, plan
 
 
