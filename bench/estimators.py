@@ -118,7 +118,7 @@ def reference_of(preset: str) -> str:
     settings = resolve_settings(preset)
     if settings.step_return == "graph":
         return "graphgpo"
-    return "hgpo" if settings.baseline == "hierarchy" else "gigpo"
+    return "hgpo" if settings.step_baseline == "hierarchy" else "gigpo"
 
 
 def preset_table(groups_list, dim, repeats, with_reference):

@@ -326,7 +326,7 @@ REUSE_VARIANTS = (("lockstep", "all"), ("continuous", "half"))
 def mode_variants(args, trainer) -> list[tuple[str, str, bool]]:
     """(mode, call size, prefix reuse) of each variant: the streaming one where vLLM colocate streams,
     the reuse ones with --prefix-reuse on HF generate."""
-    plain = STREAM_VARIANTS if trainer.collector.can_stream else MODE_VARIANTS
+    plain = STREAM_VARIANTS if trainer.policy.can_stream else MODE_VARIANTS
     reuse = [(m, s, True) for m, s in REUSE_VARIANTS] if args.prefix_reuse and not args.vllm else []
     return [(m, s, False) for m, s in plain] + reuse
 
@@ -340,11 +340,11 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int, reuse=None) 
     through `reuse` (a `PrefixReuse`) when given, as `hf_prefix_cache=True` does."""
     settings = dataclasses.replace(trainer.collector.settings, mode=mode, rollout_batch_size=batch_size)
     envs = VectorEnv(env, len(tasks), backend="serial")
-    prefix_cache = trainer.collector.prefix_cache  # vLLM colocate: what its prefix cache reused
+    prefix_cache = trainer.policy.prefix_cache  # vLLM colocate: what its prefix cache reused
     if prefix_cache is not None:
         prefix_cache.take()
     if not trainer.use_vllm:
-        trainer.collector.hf_prefix = reuse
+        trainer.policy.hf_prefix = reuse
         if reuse is not None:
             reuse.take_counts()
     try:
@@ -359,9 +359,9 @@ def play_mode(trainer, env: str, tasks, mode: str, batch_size: int, reuse=None) 
             reuse.clear()
     # as the collector adds them to a training rollout's counts: vLLM's prefix cache (colocate; a
     # server's streamed replies), what PrefixReuse saved, or every prompt token encoded
-    rollout.prompt_counts.update(trainer.collector._prefix_reuse(rollout))
+    rollout.prompt_counts.update(trainer.policy.prompt_reuse(rollout))
     if not trainer.use_vllm:
-        trainer.collector.hf_prefix = None
+        trainer.policy.hf_prefix = None
     metrics = rollout.metrics()
     return {
         "seconds": seconds,

@@ -107,7 +107,7 @@ def micro_batch(trainer, steps) -> dict:
 
     steps = list(steps)
     random.Random(0).shuffle(steps)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer, steps, len(steps))
+    prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer.batch_spec, steps, len(steps))
     return {
         "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
         "completion_mask": completion_mask, "advantages": torch.linspace(-1, 1, len(steps)),

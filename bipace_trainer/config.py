@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import inspect
 import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from trl import GRPOConfig
@@ -19,23 +19,9 @@ from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 from .rollout.loop import ROLLOUT_MODES
+from .trl_advantages import AGGREGATIONS
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "printing_only"]
-
-# Set while `train.py --print_config` parses: the config is printed, not run, so the checks that
-# touch the machine (a GPU for bf16) or the env's data (listing ALFWorld tasks generates games) wait for the run.
-_PRINTING_ONLY = False
-
-
-@contextlib.contextmanager
-def printing_only():
-    """Build configs to print them: skip the device check and the env's task listing (see `_PRINTING_ONLY`)."""
-    global _PRINTING_ONLY
-    saved, _PRINTING_ONLY = _PRINTING_ONLY, True
-    try:
-        yield
-    finally:
-        _PRINTING_ONLY = saved
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM"]
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 DEFAULT_ENV = "textcraft"
@@ -45,44 +31,15 @@ _GRAPHGPO = "https://arxiv.org/abs/2605.26684"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
-    f"{name} ({values['partition'] if PARTITIONS[values['partition']].has_cells else 'no'} partition"
-    + (f", {values['baseline']} baseline)" if values.get("baseline") else ")")
+    f"{name} ({values['step_partition'] if PARTITIONS[values['step_partition']].has_cells else 'no'} partition"
+    + (f", {values['step_baseline']} baseline)" if values.get("step_baseline") else ")")
     for name, values in PRESETS.items()
 )
 
-# BiPACEConfig field → the `EstimatorSettings` field it sets: the one place the two names meet.
-# Each defaults to None here ("the preset's value"), so a preset, built in or registered, is
-# honoured unless a recipe or flag sets the field.
-ESTIMATOR_FIELDS = {
-    "step_partition": "partition",
-    "step_baseline": "baseline",
-    "advantage_norm": "norm",
-    "pace_norm": "pace_norm",
-    "w_ep": "w_ep",
-    "w_step": "w_step",
-    "step_gamma": "gamma",
-    "gae_lambda": "lam",
-    "invalid_action_penalty": "invalid_penalty",
-    "episode_stats": "episode_stats",
-    "cluster_eps": "cluster_eps",
-    "target_singleton_rate": "target_singleton_rate",
-    "max_cluster_eps": "max_cluster_eps",
-    "recalibrate_eps_every": "recalibrate_every",
-    "importance_sampling_level": "importance_sampling_level",
-    "bootstrap_truncated": "bootstrap_truncated",
-    "context_levels": "context_levels",
-    "level_baseline": "level_baseline",
-    "level_alpha": "level_alpha",
-    "level_weights": "level_weights",
-    "drop_zero_levels": "drop_zero_levels",
-    "base_group": "base_group",
-    "step_return": "step_return",
-    "normalize_distance": "normalize_distance",
-    "similarity_merge": "similarity_merge",
-    "similarity_threshold": "similarity_threshold",
-}
-
-_CONFIG_FIELD = {theirs: ours for ours, theirs in ESTIMATOR_FIELDS.items()}
+# The estimator's fields: `EstimatorSettings`' own names, which the config shares. Each defaults to
+# None here ("the preset's value"), so a preset, built in or registered, is honoured unless a recipe
+# or flag sets the field.
+ESTIMATOR_FIELDS = tuple(f.name for f in dataclasses.fields(EstimatorSettings))
 
 # The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
 FIELD_GROUPS = {
@@ -201,8 +158,8 @@ class BiPACEConfig(GRPOConfig):
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q`, `graphgpo`,
         `bigraphgpo` (or one added with
         `bipace_trainer.advantages.register_preset`). Every estimator field below left at
-        `None` takes the preset's value (`ESTIMATOR_FIELDS` maps each to its
-        `EstimatorSettings` name; the defaults in brackets are every built-in preset's).
+        `None` takes the preset's value (`ESTIMATOR_FIELDS`: each is the `EstimatorSettings`
+        field of the same name; the defaults in brackets are every built-in preset's).
     step_partition (`str` or `None`): state partition, `none`, `hash` or `hidden`, or one added
         with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
     step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff`, `gae` or `hierarchy`.
@@ -536,6 +493,90 @@ class BiPACEConfig(GRPOConfig):
         metadata={"help": "Every k optimizer steps write the episodes to <output_dir>/rollouts/step-<k>.jsonl (0: never)."},
     )
 
+    @classmethod
+    def for_trainer(cls, model, args, rollout_func, reward_funcs, trl_envs: bool, train_dataset=None) -> "BiPACEConfig":
+        """`BiPACETrainer`'s `args` (a default config named after the model when None, as GRPOTrainer does),
+        with what the trainer cannot take refused: `rollout_func`, a config of another type, our envs
+        (`env_name`) when unavailable, `reward_funcs` or `reward_weights` with our envs (which give their
+        own rewards), plain prompts (`plain_prompts`) without a 'prompt' column, and TRL's reward settings
+        that have no step-level form on multi-turn episodes."""
+        if rollout_func is not None:
+            raise ValueError(
+                "rollout_func replaces TRL's generation with one sample per prompt; BiPACETrainer plays the multi-turn "
+                "rollout itself (one sample per env step): pass environment_factory/tools, or env_name, instead."
+            )
+        if args is None:
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+            args = cls(f"{str(name).rstrip('/').split('/')[-1]}-BiPACE")
+        if not isinstance(args, BiPACEConfig):
+            raise TypeError(
+                f"args must be a BiPACEConfig, got {type(args).__name__}: BiPACEConfig takes every GRPOConfig "
+                "argument, so build it with the same arguments."
+            )
+        plain = args.plain_prompts(reward_funcs, trl_envs)
+        if not trl_envs and not plain:
+            args.require_env()
+            if reward_funcs is not None:
+                raise ValueError(
+                    f"reward_funcs score TRL's environments or a prompt dataset; env_name={args.env_name!r} gives its "
+                    "own rewards. Drop reward_funcs (or env_name, to train on the dataset's prompts)."
+                )
+            if args.reward_weights is not None:
+                raise ValueError(
+                    f"reward_weights weigh reward_funcs, and env_name={args.env_name!r} gives one reward of its own, "
+                    "trained as it is; drop reward_weights (scale the reward inside the env if you must)."
+                )
+        if plain and (train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ["prompt"])):
+            raise ValueError(
+                "reward_funcs without environment_factory, tools or env_name train on train_dataset's prompts, as "
+                "GRPOTrainer does: pass a train_dataset with a 'prompt' column."
+            )
+        args._check_multi_turn_reward_settings(one_step=plain)
+        return args
+
+    def plain_prompts(self, reward_funcs, trl_envs: bool) -> bool:
+        """Whether a trainer gets GRPOTrainer's plain case: `reward_funcs` on a prompt dataset with no env,
+        no tools and `env_name` unset, each prompt a one-step episode (`tool_envs.PromptAdapter`)."""
+        return not trl_envs and reward_funcs is not None and not self.env_name_set
+
+    def _check_multi_turn_reward_settings(self, one_step: bool) -> None:
+        """TRL's reward settings that have no step-level form: honoured on one-step episodes (plain prompts,
+        `trl_advantages`), refused on multi-turn ones (`GRPO_FIELDS`)."""
+        if self.multi_objective_aggregation not in AGGREGATIONS:
+            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} must be one of {AGGREGATIONS}.")
+        if one_step:
+            return
+        if self.scale_rewards == "batch":
+            raise ValueError(
+                "scale_rewards='batch' divides by one std over the whole batch, which the step-level estimators have no "
+                "form of (they normalise within task groups and state cells); set scale_rewards='group' or 'none'."
+            )
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} normalises each reward function "
+                "within its group before summing, but the step-level estimators credit one reward per episode (the "
+                "weighted sum) to its steps; set multi_objective_aggregation='sum_then_normalize'."
+            )
+
+    def set_one_step_estimator(self) -> None:
+        """Plain prompts: the prompt is the only state, shared by the group, so the estimator is the episode
+        term alone (GRPOTrainer's advantage, `trl_advantages`, replaces it); a graph preset's step return,
+        which needs cells, goes with the step term."""
+        self.estimator = dataclasses.replace(
+            self.estimator, step_partition="none", step_baseline=None, w_ep=1.0, w_step=0.0, context_levels=0,
+            step_return="discounted", normalize_distance=False, similarity_merge=False,
+        )
+
+    # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
+    # returns) skips the checks that touch the machine (a GPU for bf16) or the env's data (listing
+    # ALFWorld's tasks generates its games); they wait for the run.
+    printing_only: ClassVar[bool] = False
+
+    @classmethod
+    def for_printing(cls) -> type:
+        """This config's class with the machine and data checks skipped: what `--print_config` parses into."""
+        return type(f"Printed{cls.__name__}", (cls,), {"printing_only": True, "__doc__": cls.__doc__})
+
     def __post_init__(self):
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             # TRL's convention: `--resume_from_checkpoint true` resumes from the latest checkpoint in output_dir.
@@ -570,7 +611,7 @@ class BiPACEConfig(GRPOConfig):
             # TRL defaults to bf16, which transformers refuses on a CPU-only machine: train in fp32 there.
             self.bf16 = False
         precision = (self.bf16, self.fp16)
-        if _PRINTING_ONLY:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
+        if self.printing_only:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
             self.bf16 = self.fp16 = False
         try:
             super().__post_init__()
@@ -587,8 +628,13 @@ class BiPACEConfig(GRPOConfig):
                 f"{self.tasks_per_iteration} × {self.num_generations}: pick per_device_train_batch_size "
                 f"({self.per_device_train_batch_size}) × processes so that it divides that product."
             ) from None
-        if _PRINTING_ONLY:
+        if self.printing_only:
             self.bf16, self.fp16 = precision
+        self._check_task_groups(ours)
+
+    def _check_task_groups(self, ours: bool) -> None:
+        """`tasks_per_iteration` agrees with TRL's batch (derived from it when unset), and no task group
+        is split across ranks."""
         if not ours:
             self.tasks_per_iteration = self.generation_batch_size // self.num_generations
         elif self.generation_batch_size != self.tasks_per_iteration * self.num_generations:
@@ -727,7 +773,7 @@ class BiPACEConfig(GRPOConfig):
             ) from None
         except ValueError:  # no introspectable signature (a builtin or C factory): the env build will tell
             pass
-        if _PRINTING_ONLY:  # listing tasks can build data (ALFWorld generates its games)
+        if self.printing_only:  # listing tasks can build data (ALFWorld generates its games)
             return
         for name in ("train_split", "eval_split"):
             split = getattr(self, name)
@@ -747,9 +793,8 @@ class BiPACEConfig(GRPOConfig):
                 )
 
     def _resolve_estimator(self) -> EstimatorSettings:
-        """The preset's settings with every estimator field set here on top (`ESTIMATOR_FIELDS`)."""
+        """The preset's settings with every estimator field set here on top, by the shared names (`ESTIMATOR_FIELDS`)."""
         try:
-            return resolve_settings(self.preset, **{theirs: getattr(self, ours) for ours, theirs in ESTIMATOR_FIELDS.items()})
-        except SettingsError as err:
-            ours = _CONFIG_FIELD.get(err.field, err.field)
-            raise ValueError(str(err) if ours == err.field else f"{ours}: {err}") from None
+            return resolve_settings(self.preset, **{name: getattr(self, name) for name in ESTIMATOR_FIELDS})
+        except SettingsError as err:  # the message names the field as here, `step_partition=...`, or is prefixed with it
+            raise ValueError(str(err) if str(err).startswith(f"{err.field}=") else f"{err.field}: {err}") from None

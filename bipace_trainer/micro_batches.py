@@ -98,3 +98,24 @@ def piece_weights(pieces: list[dict[str, Any]], loss_type: str) -> list[float]:
         )
     total = sum(counts)
     return [c / total if total else 0.0 for c in counts]
+
+
+def loss_in_pieces(
+    pieces: list[dict[str, Any]], weights: list[float], loss, backward, no_sync, grad: bool, device
+) -> torch.Tensor:
+    """The micro-batch's loss run piece by piece: every piece but the last is back-propagated here
+    (`backward`) inside `no_sync()` (no gradient all-reduce), the last is returned with the others'
+    detached sum added, for the Trainer's own backward, which syncs the gradients. Without `grad`
+    (TRL's prediction step) the weighted sum of the pieces' losses. `loss(piece)` is TRL's loss of one piece.
+
+    Every rank has as many pieces (rows are padded to the largest count over ranks), so collective
+    calls inside forward passes stay aligned."""
+    done = torch.zeros((), device=device)
+    if not grad:
+        return sum((loss(piece) * weight for piece, weight in zip(pieces, weights)), done)
+    for piece, weight in zip(pieces[:-1], weights[:-1]):
+        with no_sync():
+            value = loss(piece) * weight
+            backward(value)
+        done = done + value.detach()
+    return loss(pieces[-1]) * weights[-1] + done

@@ -362,7 +362,7 @@ class SharedPrefixForward:
         if not self.enabled or compute_aux_loss or any(v is not None for v in extra.values()):
             return False
         trainer = self.trainer
-        capturing = trainer.use_vllm and trainer.needs_hidden and trainer.args.hidden_capture == "hook"
+        capturing = trainer.hidden_plan.source == "old_logprobs"  # the run's `HiddenPlan`
         return not (capturing and not torch.is_grad_enabled())
 
     def logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,

@@ -20,10 +20,12 @@ Standard deviations are TRL's `nanstd` (unbiased).
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 from trl.trainer.utils import nanstd
 
-__all__ = ["grpo_advantages", "SCALE_REWARDS", "AGGREGATIONS"]
+__all__ = ["grpo_advantages", "one_step_estimate", "SCALE_REWARDS", "AGGREGATIONS"]
 
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -72,3 +74,30 @@ def grpo_advantages(
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
         advantages = (rewards - torch.nanmean(rewards)) / (std + _EPS)
     return torch.nan_to_num(advantages, nan=0.0)
+
+
+def one_step_estimate(
+    rollout, estimate, reward_func_names: Sequence[str], reward_weights: torch.Tensor, group_size: int,
+    scale_rewards: str, aggregation: str, gather: Callable[[torch.Tensor], torch.Tensor] | None = None, rank: int = 0,
+):
+    """`estimate` (a `StepEstimate` of `rollout`, one step per episode) with GRPOTrainer's advantage in
+    place (`grpo_advantages`) over every rank's episodes (`gather`: this rank's (n, K) rows → every
+    rank's, in rank order; None on one process), and its `advantage/*` diagnostics made again. An
+    episode's rewards are its `reward_terms` (unweighted, by reward function); a failed one's are NaN."""
+    nan = float("nan")
+    rows = [[nan if e.failed else e.reward_terms.get(name, nan) for name in reward_func_names] for e in rollout.episodes]
+    local = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(reward_func_names))
+    every = gather(local) if gather is not None else local
+    advantages = grpo_advantages(every, reward_weights.cpu(), group_size, scale_rewards, aggregation)
+    start = rank * len(rows)
+    by_traj = {e.traj: advantages[start + j] for j, e in enumerate(rollout.episodes)}
+    estimate.advantage = torch.stack([by_traj[s.traj] for s in rollout.steps]) if rollout.steps else torch.zeros(0)
+    adv = estimate.advantage.double()
+    q25, q75 = (torch.quantile(adv, torch.tensor([0.25, 0.75], dtype=adv.dtype)).tolist() if adv.numel() else (0.0, 0.0))
+    estimate.diagnostics.update({
+        "advantage/mean": float(adv.mean()) if adv.numel() else 0.0,
+        "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+        "advantage/iqr": q75 - q25,
+        "advantage/episode_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0,
+    })
+    return estimate

@@ -34,7 +34,7 @@ from typing import Hashable, Sequence
 import torch
 from trl.trainer.utils import nanstd
 
-__all__ = ["EpisodeSummary", "summarise_episodes", "trl_metrics", "episode_token_count"]
+__all__ = ["EpisodeSummary", "summarise_episodes", "trl_metrics", "episode_token_count", "generation_trl_metrics"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,24 @@ def trl_metrics(episodes: Sequence[EpisodeSummary], reward_func_names: Sequence[
     flat = [len(set(values)) == 1 for values in by_group.values() for _ in values]
     out["frac_reward_zero_std"] = sum(flat) / len(flat) if flat else nan
     return out
+
+
+def generation_trl_metrics(
+    rollout, reward_func_names: Sequence[str], stop_token_ids: Sequence[int], accelerator, *, single_source: str | None,
+    failed_scored: bool, tools: bool,
+) -> tuple[dict[str, float], int, int]:
+    """GRPOTrainer's own metrics of one generation over every rank (`summarise_episodes` → `trl_metrics`)
+    and its token counts over every rank: the tokens the model processed, each once (`episode_token_count`,
+    TRL's `num_input_tokens_seen`), and every step's whole prompt and completion (ours,
+    `rollout/tokens_all_turns`)."""
+    from accelerate.utils import gather_object
+
+    summaries = summarise_episodes(
+        rollout, stop_token_ids, rank=accelerator.process_index, single_source=single_source, failed_scored=failed_scored
+    )
+    all_turns = sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)
+    tokens = torch.tensor([[episode_token_count(rollout.steps), all_turns]], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        summaries = gather_object(summaries)
+    processed_once, every_turn = (int(n) for n in accelerator.gather(tokens).sum(dim=0))
+    return trl_metrics(summaries, reward_func_names, tools=tools), processed_once, every_turn

@@ -25,7 +25,7 @@ ALLOWED = {
         "advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics",
         "memory", "trl_compat", "shared_prefix", "trl_advantages",
     },
-    "config": {"advantages", "rollout"},  # the settings it checks (presets, ROLLOUT_MODES)
+    "config": {"advantages", "rollout", "trl_advantages"},  # the settings it checks (presets, ROLLOUT_MODES, AGGREGATIONS)
     "models": set(),
     "micro_batches": set(),
     "trl_metrics": set(),

@@ -113,12 +113,12 @@ def test_recipe_holds_the_papers_setting(recipe):
         assert value(parsed, "context_levels") == value(parsed, "history_length") == 2
         assert (value(parsed, "level_alpha"), value(parsed, "base_group")) == (1.0, False)
         estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
-        resolved = (estimator.partition, estimator.baseline, estimator.w_ep, estimator.context_levels)
+        resolved = (estimator.step_partition, estimator.step_baseline, estimator.w_ep, estimator.context_levels)
         assert resolved == ("hash", "hierarchy", 0.0, 2)
     if preset == "graphgpo":
         estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
-        resolved = (estimator.partition, estimator.baseline, estimator.step_return, estimator.w_ep, estimator.w_step)
-        assert resolved == ("hash", "mean", "graph", 1.0, 1.0) and estimator.norm == "mean_std"
+        resolved = (estimator.step_partition, estimator.step_baseline, estimator.step_return, estimator.w_ep, estimator.w_step)
+        assert resolved == ("hash", "mean", "graph", 1.0, 1.0) and estimator.advantage_norm == "mean_std"
         assert (estimator.normalize_distance, estimator.similarity_merge, estimator.similarity_threshold) == (False, False, 0.95)
     assert value(parsed, "generation_batch_size") == 16 * 8
     # the settings that used to leak from the CPU demo are written out: no LoRA, checkpoints, a tracker
@@ -156,7 +156,7 @@ def test_print_config_prints_the_resolved_recipe_without_loading_a_model():
     for key in ("model_name_or_path", "use_peft", "lora_r", "save_strategy", "save_steps", "report_to", "learning_rate",
                 "beta", "cluster_layer", "cluster_eps", "max_turns", "eval_split", "preset"):
         assert printed[key] == value(parsed, key), key
-    assert "#   partition: hidden" in text and "#   baseline: pace_q" in text  # the preset, resolved
+    assert "#   step_partition: hidden" in text and "#   step_baseline: pace_q" in text  # the preset, resolved
     assert "Loading weights" not in done.stderr and "model.safetensors" not in done.stderr  # no model was loaded
 
 

@@ -214,19 +214,21 @@ def test_continuous_is_refused_where_every_rank_must_run_each_forward_together()
 
     from bipace_trainer.rollout.collector import RolloutCollector
 
-    def trainer(zero_stage, mode, fsdp=False):
+    from bipace_trainer.rollout.collector import sharded_forward
+
+    def collector(zero_stage, mode, fsdp=False):
         args = SimpleNamespace(max_turns=2, history_length=1, rollout_batch_size=0, require_think=False,
                                action_key_tokens=0, rollout_mode=mode)
         plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
         accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
-        return SimpleNamespace(args=args, accelerator=accelerator, use_vllm=False, is_fsdp_enabled=fsdp)
+        return RolloutCollector(None, source, args, accelerator, sharded=sharded_forward(accelerator, fsdp))
 
     source = SimpleNamespace(env_class=None)
     for zero_stage, fsdp in ((3, False), (0, True)):
         with pytest.raises(ValueError, match="rollout_mode='continuous' cannot run under ZeRO-3 or FSDP.*rollout_mode='lockstep'"):
-            RolloutCollector(trainer(zero_stage, "continuous", fsdp), source, needs_hidden=False)
-    assert RolloutCollector(trainer(3, "lockstep"), source, needs_hidden=False).settings.mode == "lockstep"
-    assert RolloutCollector(trainer(2, "continuous"), source, needs_hidden=False).settings.mode == "continuous"
+            collector(zero_stage, "continuous", fsdp)
+    assert collector(3, "lockstep").settings.mode == "lockstep"
+    assert collector(2, "continuous").settings.mode == "continuous"
 
 
 def test_trls_tool_envs_play_the_same_chats_in_both_modes():
@@ -237,7 +239,7 @@ def test_trls_tool_envs_play_the_same_chats_in_both_modes():
     from trl.chat_template_utils import add_response_schema
 
     from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
-    from tests.test_tool_envs import call, fake_trainer, rows, scripted
+    from tests.test_tool_envs import call, fake_setup, rows, scripted
     from tests.trainer.tool_setup import Lamps, make_tokenizer
 
     tokenizer = add_response_schema(make_tokenizer())
@@ -245,9 +247,9 @@ def test_trls_tool_envs_play_the_same_chats_in_both_modes():
                [call("flip_a"), call("flip_a"), call("flip_b"), "Done."], ["Done."]]
     played = {}
     for mode in ("lockstep", "continuous"):
-        trainer = fake_trainer(tokenizer, Lamps)
+        trainer = fake_setup(tokenizer, Lamps)
         tasks = [TaskRef(0, group=0, inputs=row) for row in rows(len(scripts))]
-        session = functools.partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
+        session = functools.partial(ToolSession, trainer.environment_factories, [], trainer.multi_environment)
         with VectorEnv(session, len(tasks), backend="thread", num_workers=2) as envs:
             played[mode] = run_rollouts(envs, tasks, scripted(tokenizer, trainer, scripts),
                                         RolloutSettings(max_turns=5, rollout_batch_size=2, mode=mode),

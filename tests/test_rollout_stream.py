@@ -228,6 +228,7 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
     from types import SimpleNamespace
 
     from bipace_trainer.rollout.collector import RolloutCollector
+    from bipace_trainer.rollout.policy import TRLGeneration, TRLPolicy
     from bipace_trainer.rollout.vllm_stream import EngineStream, ServerStream, StreamTurns
 
     class Engine:  # what the collector's wrappers touch of TRL's colocated `LLM`
@@ -236,7 +237,8 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
 
     def collector(mode, vllm_mode="colocate", tp=1, use_vllm=True):
         args = SimpleNamespace(max_turns=2, history_length=1, rollout_batch_size=0, require_think=False, action_key_tokens=0,
-                               rollout_mode=mode, vllm_mode=vllm_mode, vllm_tensor_parallel_size=tp, hidden_capture="hook")
+                               rollout_mode=mode, vllm_mode=vllm_mode, vllm_tensor_parallel_size=tp, hidden_capture="hook",
+                               per_device_train_batch_size=2, seed=0)
         runner = SimpleNamespace(device=SimpleNamespace(type="cuda"))  # not the CPU build: no weight shim
         llm = Engine()
         llm.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
@@ -244,10 +246,14 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
         generation = SimpleNamespace(mode=vllm_mode, llm=llm if vllm_mode == "colocate" else None, vllm_client=client,
                                      sync_weights=lambda: None, tensor_parallel_size=tp)
         accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), num_processes=2)
-        trainer = SimpleNamespace(args=args, accelerator=accelerator, use_vllm=use_vllm, vllm_generation=generation,
-                                  is_fsdp_enabled=False, model=SimpleNamespace(training=True),
-                                  state=SimpleNamespace(global_step=0), _last_loaded_step=0)
-        return RolloutCollector(trainer, SimpleNamespace(env_class=None), needs_hidden=False)
+        policy = TRLPolicy(TRLGeneration(  # TRL's generation as the trainer hands it over; nothing here generates
+            generate_single_turn=None, tokenize_prompts=None, tokenizer=SimpleNamespace(pad_token_id=0),
+            processing_class=None, model=lambda: SimpleNamespace(training=True), model_wrapped=lambda: None,
+            unwrap=lambda model: model, accelerator=accelerator, args=args, generation_config=None, generation_kwargs={},
+            eos_token_ids=[1], step=lambda: 0, loaded_step=lambda step: 0, summon_full_params=None, profile=None,
+            vllm_generation=generation if use_vllm else None,
+        ))
+        return RolloutCollector(policy, SimpleNamespace(env_class=None), args, accelerator)
 
     for vllm_mode, engine in (("colocate", EngineStream), ("server", ServerStream)):
         streamed = collector("continuous", vllm_mode=vllm_mode)
@@ -304,7 +310,7 @@ def test_trls_tool_envs_stream_the_same_chats_as_lockstep():
     from trl.chat_template_utils import add_response_schema
 
     from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
-    from tests.test_tool_envs import call, fake_trainer, rows, scripted
+    from tests.test_tool_envs import call, fake_setup, rows, scripted
     from tests.trainer.tool_setup import Lamps, make_tokenizer
 
     tokenizer = add_response_schema(make_tokenizer())
@@ -312,12 +318,12 @@ def test_trls_tool_envs_stream_the_same_chats_as_lockstep():
                [call("flip_a"), call("flip_a"), call("flip_b"), "Done."], ["Done."]]
     played = {}
     for mode in ("lockstep", "continuous"):
-        trainer = fake_trainer(tokenizer, Lamps)
+        trainer = fake_setup(tokenizer, Lamps)
         generate = scripted(tokenizer, trainer, scripts)
         if mode == "continuous":
             generate = CallStream(generate, length=lambda key: 1 + (key[0] * 7 + key[1]) % 3)
         tasks = [TaskRef(0, group=0, inputs=row) for row in rows(len(scripts))]
-        session = functools.partial(ToolSession, trainer.environment_factories, [], trainer._multi_environment)
+        session = functools.partial(ToolSession, trainer.environment_factories, [], trainer.multi_environment)
         with VectorEnv(session, len(tasks), backend="thread", num_workers=2) as envs:
             played[mode] = run_rollouts(envs, tasks, generate, RolloutSettings(max_turns=5, mode=mode),
                                         adapter=ToolEnvAdapter(trainer, num_user_reward_funcs=0))

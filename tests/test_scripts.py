@@ -27,7 +27,7 @@ def test_every_config_field_is_a_flag():
     _, config, model_args = parse(["--env", "tiny", "--preset", "gagpo", "--cluster_eps", "0.07", "--max_turns", "9",
                                    "--env_kwargs", '{"size": 5}', "--model_name_or_path", "some/model"])
     assert (config.env_name, config.preset, config.max_turns, config.env_kwargs) == ("tiny", "gagpo", 9, {"size": 5})
-    assert config.estimator.baseline == "gae" and config.importance_sampling_level == "sequence"
+    assert config.estimator.step_baseline == "gae" and config.importance_sampling_level == "sequence"
     assert model_args.model_name_or_path == "some/model"
 
 

@@ -24,7 +24,9 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 class _TRL:
-    """What TRL's `_get_per_token_logps_and_entropies` reads from its trainer: the accelerator's autocast."""
+    """What TRL's `_get_per_token_logps_and_entropies` reads from its trainer: the accelerator's autocast.
+    Made at each use: a TrainingArguments built by an earlier test resets accelerate's shared state,
+    which an accelerator made at import would then miss."""
 
     @property
     def accelerator(self) -> Accelerator:
@@ -337,7 +339,7 @@ def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
     for shared in (True, False):
         lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
         trainer = _trainer(tmp_path, shared, beta=0.04, per_device_train_batch_size=2, peft_config=lora)
-        out, _ = reference_logps(trainer, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+        out, _ = reference_logps(trainer.batch_spec, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                  inputs["completion_mask"], force_old=True)
         values.append(out)
     assert values[0].keys() == values[1].keys() == {"old_per_token_logps", "ref_per_token_logps"}

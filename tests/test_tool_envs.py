@@ -18,7 +18,7 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import add_response_schema
 
 from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
-from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession, tool_methods
+from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolEnvSetup, ToolSession, tool_methods
 from envs import as_trl_environment
 from envs.vector import VectorEnv
 
@@ -47,28 +47,30 @@ def call(*names: str) -> str:
     return "".join("<tool_call>\n" + json.dumps({"name": n, "arguments": {}}) + "\n</tool_call>" for n in names)
 
 
-def fake_trainer(tokenizer, factories, max_tool_calling_iterations=10, max_completion_length=4096):
-    """The attributes `GRPOTrainer.__init__` sets for `environment_factory=factories`, and TRL's own
-    `_get_tool_suffix_ids` (the tokens a tool result adds to the completion)."""
+def fake_setup(tokenizer, factories, max_tool_calling_iterations=10, max_completion_length=4096):
+    """What `GRPOTrainer.__init__` sets up for `environment_factory=factories`, as the trainer hands it over,
+    with TRL's own `_get_tool_suffix_ids` (the tokens a tool result adds to the completion) bound."""
     multi = isinstance(factories, dict)
     factories = factories if multi else {None: factories}
-    trainer = types.SimpleNamespace(
-        environment_factories=factories,
-        _multi_environment=multi,
-        _standalone_tools=[],
-        _env_tools={name: tool_methods(factory()) for name, factory in factories.items()},
-        tools=[],
-        _tokenizer=tokenizer,
-        processing_class=tokenizer,
-        chat_template=None,
-        chat_template_kwargs={},
-        _is_vlm=False,
-        max_tool_calling_iterations=max_tool_calling_iterations,
-        max_completion_length=max_completion_length,
-        reward_funcs=["get_reward"],  # TRL appended one get_reward column; no user reward_funcs
+    trl_side = types.SimpleNamespace(  # what TRL's `_get_tool_suffix_ids` reads of the trainer
+        _tokenizer=tokenizer, processing_class=tokenizer, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
     )
-    trainer._get_tool_suffix_ids = types.MethodType(GRPOTrainer._get_tool_suffix_ids, trainer)
-    return trainer
+    return ToolEnvSetup(
+        environment_factories=factories,
+        multi_environment=multi,
+        standalone_tools=[],
+        env_tools={name: tool_methods(factory()) for name, factory in factories.items()},
+        tools=[],
+        tokenizer=tokenizer,
+        max_tool_calling_iterations=max_tool_calling_iterations,
+        num_reward_funcs=1,  # TRL appended one get_reward column; no user reward_funcs
+        reward_func_names=["get_reward"],
+        reward_weights=None,
+        user_rewards=None,
+        take_reward_logs=lambda: ({}, {}),
+        max_completion_length=max_completion_length,
+        tool_suffix_ids=types.MethodType(GRPOTrainer._get_tool_suffix_ids, trl_side),
+    )
 
 
 def scripted(tokenizer, trainer, scripts):
@@ -80,7 +82,7 @@ def scripted(tokenizer, trainer, scripts):
             episode = int(re.search(r"episode (\d+)", chat[1]["content"]).group(1))
             turn = sum(m["role"] == "assistant" for m in chat)
             text = scripts[episode][turn] + "<|im_end|>"
-            ids = tokenizer.apply_chat_template(chat, tools=trainer._env_tools[name], add_generation_prompt=True, tokenize=True,
+            ids = tokenizer.apply_chat_template(chat, tools=trainer.env_tools[name], add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]
             prompt_ids.append(list(ids))
             completion_ids.append(tokenizer(text)["input_ids"])
@@ -99,11 +101,11 @@ def rows(count, environment=None):
 
 
 def play(tokenizer, factories, scripts, max_turns=5, environment=None, data=None, tool_errors="observe", **trainer_kwargs):
-    trainer = fake_trainer(tokenizer, factories, **trainer_kwargs)
+    trainer = fake_setup(tokenizer, factories, **trainer_kwargs)
     data = data or rows(len(scripts), environment)
     tasks = [TaskRef(0, group=0, inputs=row) for row in data]
     session = __import__("functools").partial(
-        ToolSession, trainer.environment_factories, [], trainer._multi_environment, tool_errors
+        ToolSession, trainer.environment_factories, [], trainer.multi_environment, tool_errors
     )
     with VectorEnv(session, len(tasks)) as envs:
         rollout = run_rollouts(envs, tasks, scripted(tokenizer, trainer, scripts), RolloutSettings(max_turns=max_turns),

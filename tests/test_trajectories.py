@@ -40,7 +40,7 @@ def make_rollout() -> Rollout:
 
 def test_rows_carry_what_produced_each_advantage():
     rollout = make_rollout()
-    estimate = estimate_advantages(rollout.step_batch(), resolve_settings("bipace_q", partition="hash"))
+    estimate = estimate_advantages(rollout.step_batch(), resolve_settings("bipace_q", step_partition="hash"))
     rows = trajectories.step_rows(rollout, estimate, decode=lambda ids: "tokens " + " ".join(map(str, ids)))
     assert [(r["episode"], r["turn"]) for r in rows] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # batch order
     first = rows[0]
@@ -114,7 +114,7 @@ def test_completion_logs_replace_the_previous_batch():
 
 def _dump(tmp_path):
     rollout = make_rollout()
-    estimate = estimate_advantages(rollout.step_batch(), resolve_settings("bipace_q", partition="hash"))
+    estimate = estimate_advantages(rollout.step_batch(), resolve_settings("bipace_q", step_partition="hash"))
     rows = trajectories.step_rows(rollout, estimate)
     return trajectories.write_jsonl(tmp_path / "d.jsonl", trajectories.episode_records(rollout, rows, step=1, split="train"))
 

@@ -74,6 +74,6 @@ def test_show_prints_wrong_typed_gae_terms_as_dashes():
 def test_other_estimators_and_evaluations_have_no_gae_terms():
     rollout = make_rollout()
     for preset in ("gigpo", "bipace_q", "hgpo"):
-        estimate = estimate_advantages(rollout.step_batch(), resolve_settings(preset, partition="hash"))
+        estimate = estimate_advantages(rollout.step_batch(), resolve_settings(preset, step_partition="hash"))
         assert {row["gae"] is None for row in trajectories.step_rows(rollout, estimate)} == {True}
     assert {row["gae"] is None for row in trajectories.step_rows(rollout, None)} == {True}

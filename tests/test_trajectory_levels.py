@@ -16,7 +16,7 @@ from .test_trajectories import make_rollout
 
 def test_rows_and_dumps_carry_each_steps_levels(tmp_path):
     rollout = make_rollout()  # both first steps share "at start"; the second steps differ
-    estimate = estimate_advantages(rollout.step_batch(), resolve_settings("hgpo", norm="mean"))
+    estimate = estimate_advantages(rollout.step_batch(), resolve_settings("hgpo", advantage_norm="mean"))
     rows = trajectories.step_rows(rollout, estimate)
     first = rows[0]["levels"]
     assert [level["k"] for level in first] == [0]  # t = 0: level 0 only

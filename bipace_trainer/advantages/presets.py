@@ -22,7 +22,7 @@ of defaults over these knobs (step return discounted unless said):
     graphgpo      hash       mean       1     token      (graph return, γ = 0.1)
     bigraphgpo    hidden     mean       1     token      (graph return over hidden clusters)
 
-Every knob stays settable: `resolve_settings("gigpo", norm="mean")` is GiGPO without
+Every knob stays settable: `resolve_settings("gigpo", advantage_norm="mean")` is GiGPO without
 the std, as in its WebShop ablation. New values are registrations, not edits:
 `partition.register_partition`, `baselines.BASELINES`, `register_preset`.
 `StepAdvantageEstimator` is the one owner of ε for a partition that takes one ("auto":
@@ -72,8 +72,8 @@ LEVEL_WEIGHT_OFFSETS = {"k+2": 2, "k+1": 1}  # verl-agent's code, the HGPO paper
 
 
 class SettingsError(ValueError):
-    """A bad estimator setting; `field` is the `EstimatorSettings` field it names, so a
-    caller with its own names for the fields (`BiPACEConfig`) can name its own."""
+    """A bad estimator setting; `field` is the `EstimatorSettings` field it names (a `BiPACEConfig`
+    field of the same name)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
@@ -85,22 +85,24 @@ class EstimatorSettings:
     """Every knob of the step-level advantage estimator (the equations: docs/concepts/math.md).
 
     Attributes:
-        partition: state partition, a name in `partition.PARTITIONS` ("none" | "hash" |
+    The names are `BiPACEConfig`'s (and train.py's flags): the config builds these settings by name.
+
+        step_partition: state partition, a name in `partition.PARTITIONS` ("none" | "hash" |
             "hidden" built in) or "package.module:NAME" of a `PartitionKind`.
-        baseline: step baseline, "mean" | "pace_q" | "pace_diff" | "gae"; None iff
+        step_baseline: step baseline, "mean" | "pace_q" | "pace_diff" | "gae" | "hierarchy"; None iff
             the partition has no cells ("none").
-        norm: "mean_std" or "mean", for A^ep and the `mean` baseline.
+        advantage_norm: "mean_std" or "mean", for A^ep and the `mean` baseline.
         pace_norm: "mean" (default; the BiPACE paper does not publish a std) or
             "mean_std", for the PACE baselines.
         w_ep, w_step: weights of the episode and step terms.
-        gamma: discount of step returns. lam: GAE λ (the `gae` baseline).
-        invalid_penalty: subtracted from an invalid step's return after discounting.
+        step_gamma: discount of step returns. gae_lambda: GAE λ (the `gae` baseline).
+        invalid_action_penalty: subtracted from an invalid step's return after discounting.
         episode_stats: "trajectory" (A^ep over the G trajectories) or "steps"
             (GiGPO reference compatibility: over step rows).
         cluster_eps: cosine-distance threshold of a partition that takes ε (`hidden`),
             a float in [0, 2] (a string such as "0.10" is parsed here) or "auto".
         target_singleton_rate, max_cluster_eps: what "auto" aims for and its cap.
-        recalibrate_every: with "auto", re-calibrate ε every this many calls (0: never).
+        recalibrate_eps_every: with "auto", re-calibrate ε every this many calls (0: never).
         importance_sampling_level: "token" or "sequence" (GAGPO); read by the trainer
             (docs/concepts/math.md#importance-ratio).
         bootstrap_truncated: False (GiGPO's behaviour): a trajectory cut by the turn
@@ -111,13 +113,13 @@ class EstimatorSettings:
         context_levels: K, previous steps a context compares (`partition.context_partition`
             over the partition above); 0: the flat partition. With a one-level baseline the
             cells are the deepest level (steps whose K-step context agrees).
-        level_baseline: the advantage of each level under `baseline="hierarchy"`: "mean"
+        level_baseline: the advantage of each level under `step_baseline="hierarchy"`: "mean"
             (HGPO, population std under mean_std), "pace_q" or "pace_diff".
         level_alpha: α of the level weights. level_weights: "k+2" (w_k = (k+2)^α, the code
             that produced the published numbers) or "k+1" (the paper's formula).
         drop_zero_levels: True (the code): a level whose advantage is exactly 0 leaves the
             weighted mean; False (the paper): it stays in with its weight.
-        base_group: add the episode advantage (`norm`, `episode_stats`) as one more item
+        base_group: add the episode advantage (`advantage_norm`, `episode_stats`) as one more item
             of weight 1 (the code's `base_group`, off by default); `w_ep` stays separate.
 
         Step return (docs/concepts/estimators.md, "Step return"; GraphGPO: arXiv 2605.26684,
@@ -132,20 +134,20 @@ class EstimatorSettings:
             the baseline's cells stay the exact anchors, as in the reference.
     """
 
-    partition: str = "hidden"
-    baseline: str | None = "pace_q"
-    norm: str = "mean_std"
+    step_partition: str = "hidden"
+    step_baseline: str | None = "pace_q"
+    advantage_norm: str = "mean_std"
     pace_norm: str = "mean"
     w_ep: float = 1.0
     w_step: float = 1.0
-    gamma: float = 0.95
-    lam: float = 0.95
-    invalid_penalty: float = 0.1
+    step_gamma: float = 0.95
+    gae_lambda: float = 0.95
+    invalid_action_penalty: float = 0.1
     episode_stats: str = "trajectory"
     cluster_eps: float | str = "auto"
     target_singleton_rate: float = 0.2
     max_cluster_eps: float = 0.3
-    recalibrate_every: int = 0
+    recalibrate_eps_every: int = 0
     importance_sampling_level: str = "token"
     bootstrap_truncated: bool = False
     context_levels: int = 0
@@ -168,28 +170,28 @@ class EstimatorSettings:
                 fail(name, f"is not one of {allowed}.")
 
         try:
-            kind = resolve_partition(self.partition)
+            kind = resolve_partition(self.step_partition)
         except ValueError as err:
-            raise SettingsError("partition", str(err)) from None
-        choice("norm", NORMS)
+            raise SettingsError("step_partition", str(err)) from None
+        choice("advantage_norm", NORMS)
         choice("pace_norm", NORMS)
         choice("episode_stats", ("trajectory", "steps"))
         choice("importance_sampling_level", ("token", "sequence"))
-        if not kind.has_cells and self.baseline is not None:
+        if not kind.has_cells and self.step_baseline is not None:
             with_cells = " or ".join(repr(name) for name, entry in PARTITIONS.items() if entry.has_cells)
             fail(
-                "baseline",
-                f"has no effect with partition={self.partition!r} (no step-level cells); "
-                f"set baseline=None, or pick partition={with_cells}.",
+                "step_baseline",
+                f"has no effect with step_partition={self.step_partition!r} (no step-level cells); "
+                f"set step_baseline=None, or pick step_partition={with_cells}.",
             )
         if kind.has_cells:
-            choice("baseline", tuple(BASELINES))
-        if not 0.0 <= self.gamma <= 1.0:
-            fail("gamma", "must lie in [0, 1].")
-        if not 0.0 <= self.lam <= 1.0:
-            fail("lam", "must lie in [0, 1].")
-        if self.invalid_penalty < 0:
-            fail("invalid_penalty", "must be >= 0 (it is subtracted).")
+            choice("step_baseline", tuple(BASELINES))
+        if not 0.0 <= self.step_gamma <= 1.0:
+            fail("step_gamma", "must lie in [0, 1].")
+        if not 0.0 <= self.gae_lambda <= 1.0:
+            fail("gae_lambda", "must lie in [0, 1].")
+        if self.invalid_action_penalty < 0:
+            fail("invalid_action_penalty", "must be >= 0 (it is subtracted).")
         if isinstance(self.cluster_eps, str) and self.cluster_eps != "auto":
             try:
                 self.cluster_eps = float(self.cluster_eps)
@@ -201,8 +203,8 @@ class EstimatorSettings:
             fail("target_singleton_rate", "must lie in [0, 1].")
         if not 0.0 < self.max_cluster_eps <= 2.0:
             fail("max_cluster_eps", "must lie in (0, 2].")
-        if self.recalibrate_every < 0:
-            fail("recalibrate_every", "must be >= 0 (0 = calibrate once).")
+        if self.recalibrate_eps_every < 0:
+            fail("recalibrate_eps_every", "must be >= 0 (0 = calibrate once).")
         if not isinstance(self.bootstrap_truncated, bool):
             fail("bootstrap_truncated", "must be True or False.")
         if isinstance(self.context_levels, bool) or not isinstance(self.context_levels, int) or self.context_levels < 0:
@@ -227,18 +229,18 @@ class EstimatorSettings:
                     fail(name, "applies to step_return='graph' only; set step_return='graph' or leave it False.")
             return
         if not kind.has_cells:
-            fail("step_return", f"needs a partition with cells (its graph's nodes), not partition={self.partition!r}.")
-        if self.baseline == "gae":
-            fail("step_return", "cannot be 'graph' with baseline='gae' (GAE sums rewards; a distance is no reward sum).")
+            fail("step_return", f"needs a partition with cells (its graph's nodes), not step_partition={self.step_partition!r}.")
+        if self.step_baseline == "gae":
+            fail("step_return", "cannot be 'graph' with step_baseline='gae' (GAE sums rewards; a distance is no reward sum).")
         if self.bootstrap_truncated:
             fail("bootstrap_truncated", "applies to step_return='discounted' only (a graph return never bootstraps).")
-        if self.similarity_merge and self.partition != "hash":
-            fail("similarity_merge", "merges observation texts: use it with partition='hash'.")
+        if self.similarity_merge and self.step_partition != "hash":
+            fail("similarity_merge", "merges observation texts: use it with step_partition='hash'.")
 
     @property
     def partition_kind(self) -> PartitionKind:
         """The `PartitionKind` that `partition` names."""
-        return resolve_partition(self.partition)
+        return resolve_partition(self.step_partition)
 
     @property
     def has_step_term(self) -> bool:
@@ -252,19 +254,19 @@ class EstimatorSettings:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(partition="none", baseline=None, w_step=0.0),
-    "gigpo": dict(partition="hash", baseline="mean"),
-    "bigpo": dict(partition="hidden", baseline="mean"),
-    "bipace_q": dict(partition="hidden", baseline="pace_q"),
-    "bipace_diff": dict(partition="hidden", baseline="pace_diff"),
-    "gagpo": dict(partition="hash", baseline="gae", w_ep=0.0, importance_sampling_level="sequence"),
-    "bigagpo": dict(partition="hidden", baseline="gae", w_ep=0.0, importance_sampling_level="sequence"),
-    "hgpo": dict(partition="hash", baseline="hierarchy", context_levels=2, w_ep=0.0),
-    "bihgpo": dict(partition="hidden", baseline="hierarchy", context_levels=2, w_ep=0.0),
-    "bihpace_q": dict(partition="hidden", baseline="hierarchy", level_baseline="pace_q", context_levels=2, w_ep=0.0),
+    "grpo": dict(step_partition="none", step_baseline=None, w_step=0.0),
+    "gigpo": dict(step_partition="hash", step_baseline="mean"),
+    "bigpo": dict(step_partition="hidden", step_baseline="mean"),
+    "bipace_q": dict(step_partition="hidden", step_baseline="pace_q"),
+    "bipace_diff": dict(step_partition="hidden", step_baseline="pace_diff"),
+    "gagpo": dict(step_partition="hash", step_baseline="gae", w_ep=0.0, importance_sampling_level="sequence"),
+    "bigagpo": dict(step_partition="hidden", step_baseline="gae", w_ep=0.0, importance_sampling_level="sequence"),
+    "hgpo": dict(step_partition="hash", step_baseline="hierarchy", context_levels=2, w_ep=0.0),
+    "bihgpo": dict(step_partition="hidden", step_baseline="hierarchy", context_levels=2, w_ep=0.0),
+    "bihpace_q": dict(step_partition="hidden", step_baseline="hierarchy", level_baseline="pace_q", context_levels=2, w_ep=0.0),
     # GraphGPO's recipe/GraphGPO/config/graphgpo_trainer.yaml: γ 0.1, weights 1, mean_std, no merge
-    "graphgpo": dict(partition="hash", baseline="mean", step_return="graph", gamma=0.1),
-    "bigraphgpo": dict(partition="hidden", baseline="mean", step_return="graph", gamma=0.1),
+    "graphgpo": dict(step_partition="hash", step_baseline="mean", step_return="graph", step_gamma=0.1),
+    "bigraphgpo": dict(step_partition="hidden", step_baseline="mean", step_return="graph", step_gamma=0.1),
 }
 
 
@@ -281,7 +283,7 @@ def resolve_settings(preset: str = "bipace_q", **overrides: Any) -> EstimatorSet
     """The preset's defaults with `overrides` on top; None-valued overrides are ignored.
 
     Raises `SettingsError` (a ValueError) naming the field on an unknown preset, unknown
-    field, or a contradictory combination (e.g. preset "grpo" with baseline="mean").
+    field, or a contradictory combination (e.g. preset "grpo" with step_baseline="mean").
     """
     if preset not in PRESETS:
         raise SettingsError("preset", f"preset={preset!r} is unknown; choose one of {sorted(PRESETS)}.")
@@ -306,7 +308,7 @@ def _build_partition(
     for name in sorted(kind.needs):
         if getattr(batch, name, None) is None:
             raise ValueError(
-                f"partition={settings.partition!r} needs StepBatch.{name}; the rollout must record it for every step."
+                f"step_partition={settings.step_partition!r} needs StepBatch.{name}; the rollout must record it for every step."
             )
     base = kind.build(batch, layout, eps)
     if levels and settings.context_levels:
@@ -386,9 +388,9 @@ class StepEstimate:
         branch: (N,) int64 PACE branch (`BRANCH_PACE`, `BRANCH_LOO`, `BRANCH_SINGLETON`),
             or None for the other baselines.
         levels: per step and context level, cell, size, advantage and whether it was used
-            (`baselines.LevelDetail`, (N, K+1) each) under `baseline="hierarchy"`; else None.
+            (`baselines.LevelDetail`, (N, K+1) each) under `step_baseline="hierarchy"`; else None.
         gae: per step, the terms of GAGPO's advantage (V̄, δ, the discounted sum, the
-            centred penalty, the group's μ and σ: `baselines.GaeTerms`) under `baseline="gae"`;
+            centred penalty, the group's μ and σ: `baselines.GaeTerms`) under `step_baseline="gae"`;
             else None.
         graph: under `step_return="graph"`, the groups' state graphs (`graph.TransitionGraph`:
             each step's node and reached node, every node's distance to the goal); else None.
@@ -447,7 +449,7 @@ def _estimate_once(batch, settings, cluster_eps, per_step) -> StepEstimate:
     estimator = StepAdvantageEstimator(settings)
     if not estimator.needs_calibration:
         return estimator._run(batch, None, per_step)
-    key = (settings.partition, float(settings.target_singleton_rate), float(settings.max_cluster_eps))
+    key = (settings.step_partition, float(settings.target_singleton_rate), float(settings.max_cluster_eps))
     start = time.perf_counter()
     known = _CALIBRATED.get(id(batch), {})
     if key not in known:
@@ -471,9 +473,9 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         batch.reward,
         batch.valid,
         layout,
-        norm=settings.norm,
+        norm=settings.advantage_norm,
         episode_stats=settings.episode_stats,
-        invalid_penalty=settings.invalid_penalty,
+        invalid_penalty=settings.invalid_action_penalty,
     )
     step_adv = torch.zeros_like(ep_adv)
     partition, step_result, returns, graph = None, None, None, None
@@ -484,15 +486,15 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
         partition_seconds = time.perf_counter() - partition_start
         env_returns, penalty, next_value, graph = _returns(settings, batch, layout, partition)
         returns = env_returns - penalty
-        step_result = BASELINES[settings.baseline](
+        step_result = BASELINES[settings.step_baseline](
             returns,
             partition,
             action_key=batch.action_key,
-            norm=settings.norm,
+            norm=settings.advantage_norm,
             pace_norm=settings.pace_norm,
             layout=layout,
-            gamma=settings.gamma,
-            lam=settings.lam,
+            gamma=settings.step_gamma,
+            lam=settings.gae_lambda,
             penalty=penalty,
             env_returns=env_returns,
             next_value=next_value,
@@ -514,15 +516,20 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
     diagnostics["time/estimator_s"] = time.perf_counter() - start
     estimate = StepEstimate(advantage.to(torch.float32), diagnostics)
     if per_step:
-        if returns is None:  # no step term computed them
-            returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, settings.invalid_penalty)
-        estimate.step_return = returns
-        estimate.cell = partition.cell if partition is not None else None
-        estimate.branch = step_result.branch if step_result is not None else None
-        estimate.levels = step_result.levels if step_result is not None else None
-        estimate.gae = step_result.gae if step_result is not None else None
-        estimate.graph = graph
+        _add_per_step(estimate, batch, layout, settings, returns, partition, step_result, graph)
     return estimate
+
+
+def _add_per_step(estimate: StepEstimate, batch, layout, settings, returns, partition, step_result, graph) -> None:
+    """What `per_step=True` adds to `estimate`: each step's return, cell, branch, levels, GAE terms and graph."""
+    if returns is None:  # no step term computed them
+        returns = step_returns(batch.reward, batch.valid, layout, settings.step_gamma, settings.invalid_action_penalty)
+    estimate.step_return = returns
+    estimate.cell = partition.cell if partition is not None else None
+    estimate.branch = step_result.branch if step_result is not None else None
+    estimate.levels = step_result.levels if step_result is not None else None
+    estimate.gae = step_result.gae if step_result is not None else None
+    estimate.graph = graph
 
 
 def _returns(settings, batch, layout, partition):
@@ -532,15 +539,15 @@ def _returns(settings, batch, layout, partition):
     penalty out of their recursion (gae). Under step_return="graph", R^env is the graph
     return 10 γ^d (`graph`) over the cells of the base partition (no context levels).
     """
-    penalty = settings.invalid_penalty * (~batch.valid).to(torch.float64)
+    penalty = settings.invalid_action_penalty * (~batch.valid).to(torch.float64)
     if settings.step_return == "graph":
         graph = _graph(settings, batch, layout, partition)
-        return graph_returns(graph, settings.gamma, settings.normalize_distance), penalty, None, graph
+        return graph_returns(graph, settings.step_gamma, settings.normalize_distance), penalty, None, graph
     next_value = None
     if settings.bootstrap_truncated and bool(batch.truncated.any()):
-        terminal = discounted_cumsum(batch.reward, layout, settings.gamma)
+        terminal = discounted_cumsum(batch.reward, layout, settings.step_gamma)
         next_value = truncation_value(terminal, partition.cell, partition.num_cells, batch.truncated)
-    env_returns = step_returns(batch.reward, batch.valid, layout, settings.gamma, 0.0, next_value=next_value)
+    env_returns = step_returns(batch.reward, batch.valid, layout, settings.step_gamma, 0.0, next_value=next_value)
     return env_returns, penalty, next_value, None
 
 
@@ -549,7 +556,7 @@ def _graph(settings, batch, layout, partition) -> TransitionGraph:
     similarity merge) the anchors themselves, merged by text similarity when asked."""
     base = partition.levels[0] if isinstance(partition, LevelledPartition) else partition
     success = episode_returns(batch.reward, layout) > 0
-    use_anchors = settings.partition == "hash" and (batch.next_anchor is not None or settings.similarity_merge)
+    use_anchors = settings.step_partition == "hash" and (batch.next_anchor is not None or settings.similarity_merge)
     if not use_anchors:
         return transition_graph(base.cell, layout, success)
     label, next_label = batch.anchor, batch.next_anchor
@@ -601,7 +608,7 @@ class StepAdvantageEstimator:
     """`compute_advantages` with state: the ε of `cluster_eps="auto"`, and its one owner.
 
     For a partition that takes ε (`PartitionKind.takes_eps`), ε is calibrated on the
-    first batch and then held fixed (or re-calibrated every `recalibrate_every` calls).
+    first batch and then held fixed (or re-calibrated every `recalibrate_eps_every` calls).
     In distributed training pass `reduce`, a function mapping this rank's ε (NaN when
     the rank's batch is empty) to the ranks' mean, so every rank clusters with the same
     ε. Until a calibration succeeds (every batch so far empty on every rank) the
@@ -630,7 +637,7 @@ class StepAdvantageEstimator:
             return False
         if self.cluster_eps is None:
             return True
-        return s.recalibrate_every > 0 and self.num_calls % s.recalibrate_every == 0
+        return s.recalibrate_eps_every > 0 and self.num_calls % s.recalibrate_eps_every == 0
 
     def calibrate(self, batch: StepBatch, reduce: Callable[[float], float] | None = None) -> None:
         """Set ε from `batch`: the smallest ε whose singleton rate is at most

@@ -21,8 +21,9 @@ is played once per seed (`--tasks N`: N tasks stratified over task types; `--epi
 A model is anything `BiPACETrainer` takes (a Hub id, a local model, "embedded"), a LoRA adapter
 folder (its base from `adapter_config.json`, or `--base_model`), a training checkpoint
 (`checkpoint-N/`), or a run's output directory (its final model, else its newest checkpoint).
-Episodes are played by the trainer's own evaluation (`BiPACETrainer.evaluate_policy`, the code
-every training run evaluates with; each rank plays a slice, results are gathered), in chunks of
+No trainer is built: the model is loaded as a plain model and played through a `Policy`
+(`rollout.policy.ModelPolicy`, or `VLLMPolicy`) by the evaluation every training run uses
+(`evaluation.play_evaluation`; each rank plays a slice, results are gathered), in chunks of
 `--chunk_size` episodes; a finished chunk is appended to `<output_dir>/<label>/episodes.jsonl` at
 once, and a rerun with the same settings skips the chunks it finds there (an interrupted run
 resumes, replaying only the unfinished chunk). Each chunk samples under its own seed
@@ -32,7 +33,7 @@ resumes, replaying only the unfinished chunk). Each chunk samples under its own 
 `--vllm_server_base_url` for a running `trl vllm-serve`). A colocated engine runs in this
 process, so each chunk's seed drives its sampling too (a resumed chunk replays exactly; checked
 with vLLM's CPU build by tests/vllm/test_vllm_engine.py); a server samples with its own RNG.
-Each model's trainer and engine are freed before the next model's are built.
+Each model and its engine are freed before the next model's are built.
 
 Results: success rate (and WebShop's score) overall and per task type, each with its 95% Wilson
 interval over the episodes of all seeds and its spread over seeds (mean ± sd of the per-seed
@@ -208,25 +209,28 @@ def resolve_model(spec: str, base_model: str | None = None) -> ResolvedModel:
 
 
 def load_policy(resolved: ResolvedModel, trust_remote_code: bool = False, dtype: str = "float32"):
-    """(model, tokenizer) for `BiPACETrainer`: a name it loads itself (in `model_init_kwargs`' dtype) and
-    None, or a `PeftModel` on its base loaded in `dtype`, and its tokenizer."""
-    if resolved.adapter is None:
-        return resolved.model, None
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    """(model, tokenizer) of `resolved`: a name or path (or "embedded") loaded in `dtype` as TRL's
+    `GRPOTrainer` loads it, or a `PeftModel` on its base loaded in `dtype`; the tokenizer pads on the
+    left and agrees with the model on the pad token (TRL's rule)."""
+    from trl.trainer.utils import create_model_from_path
 
     from ..models import load_tokenizer, resolve_model_name
 
     base = resolve_model_name(resolved.model)
-    tokenizer_source = resolved.adapter if Path(resolved.adapter, "tokenizer_config.json").is_file() else base
+    adapter = resolved.adapter
+    tokenizer_source = adapter if adapter and Path(adapter, "tokenizer_config.json").is_file() else base
     tokenizer = load_tokenizer(tokenizer_source, truncation_side="left", padding_side="left",
                                trust_remote_code=trust_remote_code)  # fmt: skip
-    import torch
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = create_model_from_path(base, dtype=dtype, trust_remote_code=trust_remote_code)
+    if adapter is not None:
+        from peft import PeftModel
 
-    model = AutoModelForCausalLM.from_pretrained(
-        base, trust_remote_code=trust_remote_code, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
-    )
-    return PeftModel.from_pretrained(model, resolved.adapter), tokenizer
+        model = PeftModel.from_pretrained(model, adapter)
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
 
 
 def model_label(spec: str, taken: Sequence[str] = ()) -> str:
@@ -243,7 +247,7 @@ def model_label(spec: str, taken: Sequence[str] = ()) -> str:
 
 
 def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
-    """The `BiPACEConfig` of an evaluation-only trainer: the protocol's settings, one dump per chunk."""
+    """The settings an evaluation plays with (a `BiPACEConfig`: the protocol's, one dump per chunk)."""
     from accelerate import PartialState
 
     from ..config import BiPACEConfig
@@ -276,39 +280,71 @@ def generation_backend(settings: argparse.Namespace) -> str:
     return "vllm colocate"
 
 
-def _release(trainer) -> None:
-    """Stop the trainer's envs and free its model and vLLM engine before the next model's are built
-    (two colocated engines would each hold `--vllm_gpu_memory_utilization` of the GPU)."""
-    import gc
+class ModelEvaluation:
+    """One model's evaluation, no trainer: a plain model's policy (`ModelPolicy`, or `VLLMPolicy` with
+    `--use_vllm`), the env source and a rollout collector, played by `evaluation.play_evaluation`, the
+    code every training run evaluates with. `close` stops the envs and frees the model and engine before
+    the next model's are built (two colocated engines would each hold `--vllm_gpu_memory_utilization`)."""
 
-    import torch
+    def __init__(self, resolved: ResolvedModel, config):
+        from accelerate import Accelerator
 
-    trainer.close_envs()
-    generation = getattr(trainer, "vllm_generation", None)
-    if generation is not None and getattr(generation, "llm", None) is not None:
-        generation.llm = None
-    trainer.model = trainer.model_wrapped = None
-    trainer.accelerator.free_memory()  # drops the accelerator's references to the model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        from ..rollout.collector import RolloutCollector, TextEnvSource
+
+        self.accelerator = Accelerator(cpu=config.use_cpu)
+        model, tokenizer = load_policy(resolved, config.trust_remote_code, config.model_init_kwargs["dtype"])
+        model = model.to(self.accelerator.device).eval()
+        self.policy = build_policy(model, tokenizer, config, self.accelerator)
+        self.collector = RolloutCollector(self.policy, TextEnvSource(config), config, self.accelerator)
+        self.config = config
+
+    def play(self, panel: list, split: str, tag: str) -> dict[str, Any]:
+        from ..run.evaluation import play_evaluation
+
+        return play_evaluation(self.collector, panel, temperature=self.config.eval_temperature, step=0, tag=tag, split=split)
+
+    def close(self) -> None:
+        import gc
+
+        import torch
+
+        self.collector.close()
+        generation = getattr(self.policy, "vllm_generation", None)
+        if generation is not None and getattr(generation, "llm", None) is not None:
+            generation.llm = None
+        self.policy = self.collector = None
+        self.accelerator.free_memory()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-class _PanelTrainer:
-    """Mixin: the trainer's evaluation plays `panel` (a list of `TaskRef`) instead of its split's tasks."""
+def build_policy(model, tokenizer, config, accelerator):
+    """The policy a plain model evaluates with: HF generate with TRL's generation config, or TRL's
+    `VLLMGeneration` (colocate or server) built as `GRPOTrainer` builds it."""
+    from ..rollout.policy import ModelPolicy, VLLMPolicy, eos_token_ids_of, generation_config_for
 
-    panel: list = []
+    eos = eos_token_ids_of(model, tokenizer)
+    reply = getattr(config, "max_turn_length", None) or config.max_completion_length  # one reply's cap, as in training
+    if not config.use_vllm:
+        generation_config = generation_config_for(config, tokenizer, eos)
+        generation_config.max_new_tokens = reply
+        return ModelPolicy(model, tokenizer, generation_config, reply, eos_token_ids=eos)
+    from trl.generation.vllm_generation import VLLMGeneration
 
-    def eval_task_refs(self, split=None):
-        return list(self.panel)
-
-
-def _build_trainer(resolved: ResolvedModel, config):
-    from ..trainer import BiPACETrainer
-
-    trainer_class = type("PanelTrainer", (_PanelTrainer, BiPACETrainer), {})
-    model, tokenizer = load_policy(resolved, config.trust_remote_code, config.model_init_kwargs["dtype"])
-    return trainer_class(model=model, args=config, processing_class=tokenizer)
+    generation = VLLMGeneration(
+        model=model, accelerator=accelerator, processing_class=tokenizer, mode=config.vllm_mode,
+        structured_outputs_regex=config.vllm_structured_outputs_regex, server_base_url=config.vllm_server_base_url,
+        server_host=config.vllm_server_host, server_port=config.vllm_server_port, group_port=config.vllm_group_port,
+        server_timeout=config.vllm_server_timeout, tensor_parallel_size=config.vllm_tensor_parallel_size,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization, max_model_length=config.vllm_max_model_length,
+        max_num_seqs=config.per_device_train_batch_size * config.vllm_tensor_parallel_size * config.steps_per_generation,
+        enable_sleep_mode=config.vllm_enable_sleep_mode, model_impl=config.vllm_model_impl,
+        trust_remote_code=config.trust_remote_code, repetition_penalty=config.repetition_penalty,
+        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+        max_completion_length=reply, logprobs=0, generation_kwargs=config.generation_kwargs,
+    )
+    return VLLMPolicy(generation, model, tokenizer, reply, eos)
 
 
 def panel_units(specs: Sequence[Any], episodes_per_task: int) -> list[tuple[Any, int]]:
@@ -353,7 +389,7 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
     """Play `spec` on every split × seed × chunk of the protocol not already in its episodes file.
 
     Returns {split: episodes}, each episode {task_id, repeat, seed, attributes, won, turns, ...}.
-    Every rank must call it (the trainer's evaluation gathers over ranks); the main process writes.
+    Every rank must call it (the evaluation gathers over ranks); the main process writes.
     """
     from transformers import set_seed
 
@@ -380,17 +416,17 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
                  else f"{label}: {len(plan)} chunks of <= {settings.chunk_size} episodes to play")  # fmt: skip
         if resolved.note:
             progress(f"{label}: {resolved.note}")
-    trainer = None
+    evaluation = None
     try:
         for number, (split, seed, index, chunk) in enumerate(todo, 1):
-            if trainer is None:
-                trainer = _build_trainer(resolved, _eval_config(settings, folder, split))
-            trainer.panel = [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, (spec, _) in enumerate(chunk)]
+            if evaluation is None:
+                evaluation = ModelEvaluation(resolved, _eval_config(settings, folder, split))
+            panel = [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, (spec, _) in enumerate(chunk)]
             set_seed(chunk_seed(seed, index))
             tag = f"{split}-seed{seed}-chunk{index:04d}"
-            result = trainer.evaluate_policy(tag=tag, split=split)
-            if trainer.accelerator.is_main_process:
-                records = match_records(_read_dump(dump_path(folder, trainer.state.global_step, "eval", tag)), chunk)
+            result = evaluation.play(panel, split, tag)
+            if evaluation.accelerator.is_main_process:
+                records = match_records(_read_dump(dump_path(folder, 0, "eval", tag)), chunk)
                 episodes = [_episode_result(r, unit, reports_score) for r, unit in zip(records, chunk)]
                 _append_line(episodes_file, {"split": split, "seed": seed, "chunk": index, "episodes": episodes})
                 done[(split, seed, index)] = episodes
@@ -398,9 +434,9 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
                     progress(f"{label}: chunk {number}/{len(todo)} ({split}, seed {seed}): "
                              f"{result['success_rate']:.3f} of {len(chunk)} episodes")  # fmt: skip
     finally:
-        if trainer is not None:
-            _release(trainer)
-            del trainer
+        if evaluation is not None:
+            evaluation.close()
+            del evaluation
     by_split: dict[str, list[dict[str, Any]]] = {split: [] for split in settings.split}
     for split, seed, index, _ in plan:
         for episode in done.get((split, seed, index), []):

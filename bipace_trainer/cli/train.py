@@ -43,10 +43,11 @@ from accelerate import PartialState  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from bipace_trainer.config import BiPACEConfig  # noqa: E402
+from bipace_trainer.rollout.hidden import resolve_cluster_layer  # noqa: E402
 from bipace_trainer.trainer import BiPACETrainer  # noqa: E402
 from bipace_trainer.run import run_dir  # noqa: E402
 from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
-from bipace_trainer.config import FIELD_GROUPS, printing_only  # noqa: E402
+from bipace_trainer.config import FIELD_GROUPS  # noqa: E402
 from bipace_trainer.cli import preflight, threads  # noqa: E402
 from bipace_trainer.cli.preflight import ConfigError  # noqa: E402  (train.ConfigError, as before)
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
@@ -228,16 +229,16 @@ def end_run(trainer: BiPACETrainer) -> None:
 
 
 def check_cluster_layer(model_name: str, training_args: BiPACEConfig) -> None:
-    """Fail before loading weights if `cluster_layer` is out of range for the model."""
+    """`cluster_layer` resolved from the model's config before loading weights, by the trainer's own
+    rule (`hidden.resolve_cluster_layer`): a layer that does not exist fails here."""
     if "hidden" not in training_args.estimator.partition_kind.needs:
         return
     config = AutoConfig.from_pretrained(model_name, trust_remote_code=training_args.trust_remote_code)
     layers = config.get_text_config().num_hidden_layers
-    if not -(layers + 1) <= training_args.cluster_layer <= layers:
-        raise ConfigError(
-            f"cluster_layer={training_args.cluster_layer} is out of range for {model_name} ({layers} layers); "
-            f"use -{layers + 1}..{layers} (output_hidden_states indexing, e.g. -8)."
-        )
+    try:
+        training_args.cluster_layer = resolve_cluster_layer(layers, training_args.cluster_layer)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("a model with", f"{model_name} with", 1)) from None
 
 
 def build_trainer(
@@ -386,37 +387,42 @@ def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: 
             f"pushed; {run_dir.stop_message(training_args.output_dir)} Exit code {EXIT_STOPPED}."
         )
     if trainer.accelerator.is_main_process:
-        print("\n=== summary ===")
-        print(f"{summary['model']} on {summary['env']} with {summary['preset']}, {summary['steps']} steps")
-        if warm_start and warm_start.get("reused"):
-            print(f"warm start: the finished one in {warm_start['adapter']} (not trained again on resume)")
-        elif warm_start and "steps" in warm_start:
-            print(f"warm start: {warm_start['steps']} SFT steps on {warm_start['rows']} expert steps "
-                  f"({warm_start['seconds']:.0f} s), adapter {warm_start['adapter']}")
-        elif warm_start:
-            print(f"warm start: adapter {warm_start['adapter']}")
-        print(format_evaluation("success before RL (held-out)", summary["before"]))
-        print(format_evaluation("success after RL (held-out) ", summary["after"]))
-        curve = summary["curve"]
-        if curve:
-            signal = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
-            resamples = sum(row.get("resamples", 0.0) for row in curve)
-            first, last = curve[0], curve[-1]
-            print(f"RL steps with non-zero advantages: {signal} of {len(curve)}"
-                  + (f" ({resamples:.0f} batch{'es' * (resamples != 1)} without signal played again on another goal)"
-                     if resamples else "")
-                  + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
-                  f"{last['batch_success']:.2f} at step {last['step']}")
-        print(f"learning curve: {summary['plot']}" if summary["plot"] else "learning curve: no RL step logged")
-        print(f"report (curves, evaluations, every dumped step with its credit): {summary['report']}"
-              if summary["report"] else "report: not written (see the warning above)")
-        print(f"time: {summary['seconds']['wall']:.0f} s wall, {summary['seconds']['cpu']:.0f} s CPU (this process)")
-        print(f"adapter and eval results: {training_args.output_dir}")
+        print_summary(summary, warm_start, training_args.output_dir)
         if script_args.summary_file:
             with open(script_args.summary_file, "w") as f:
                 json.dump(summary, f, indent=2)
     end_run(trainer)
     return summary
+
+
+def print_summary(summary: dict, warm_start: dict | None, output_dir: str) -> None:
+    """The run's summary, as the README shows it (main process)."""
+    print("\n=== summary ===")
+    print(f"{summary['model']} on {summary['env']} with {summary['preset']}, {summary['steps']} steps")
+    if warm_start and warm_start.get("reused"):
+        print(f"warm start: the finished one in {warm_start['adapter']} (not trained again on resume)")
+    elif warm_start and "steps" in warm_start:
+        print(f"warm start: {warm_start['steps']} SFT steps on {warm_start['rows']} expert steps "
+              f"({warm_start['seconds']:.0f} s), adapter {warm_start['adapter']}")
+    elif warm_start:
+        print(f"warm start: adapter {warm_start['adapter']}")
+    print(format_evaluation("success before RL (held-out)", summary["before"]))
+    print(format_evaluation("success after RL (held-out) ", summary["after"]))
+    curve = summary["curve"]
+    if curve:
+        signal = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
+        resamples = sum(row.get("resamples", 0.0) for row in curve)
+        first, last = curve[0], curve[-1]
+        print(f"RL steps with non-zero advantages: {signal} of {len(curve)}"
+              + (f" ({resamples:.0f} batch{'es' * (resamples != 1)} without signal played again on another goal)"
+                 if resamples else "")
+              + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
+              f"{last['batch_success']:.2f} at step {last['step']}")
+    print(f"learning curve: {summary['plot']}" if summary["plot"] else "learning curve: no RL step logged")
+    print(f"report (curves, evaluations, every dumped step with its credit): {summary['report']}"
+          if summary["report"] else "report: not written (see the warning above)")
+    print(f"time: {summary['seconds']['wall']:.0f} s wall, {summary['seconds']['cpu']:.0f} s CPU (this process)")
+    print(f"adapter and eval results: {output_dir}")
 
 
 HELP_USAGE = "python train.py [--config RECIPE.yaml] [--OPTION VALUE ...]"
@@ -454,10 +460,12 @@ def arrange_help(parser: TrlParser) -> TrlParser:
     return parser
 
 
-def make_parser(main_job: bool = True, env_name: str = "textcraft") -> TrlParser:
-    """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS (and `env_name`'s MAIN_JOB_ENV_KWARGS) under the flags."""
+def make_parser(main_job: bool = True, env_name: str = "textcraft", printing: bool = False) -> TrlParser:
+    """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS (and `env_name`'s MAIN_JOB_ENV_KWARGS) under the flags;
+    `printing` parses into a config that is printed, not run (`BiPACEConfig.for_printing`)."""
+    config_class = BiPACEConfig.for_printing() if printing else BiPACEConfig
     parser = arrange_help(
-        TrlParser((ScriptArguments, BiPACEConfig, ModelConfig), usage=HELP_USAGE, description=HELP_DESCRIPTION)
+        TrlParser((ScriptArguments, config_class, ModelConfig), usage=HELP_USAGE, description=HELP_DESCRIPTION)
     )
     if main_job:
         parser.set_defaults(**MAIN_JOB_DEFAULTS, env_kwargs=MAIN_JOB_ENV_KWARGS.get(env_name, {}))
@@ -489,12 +497,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     try:
         env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
-        parser = make_parser(main_job="--config" not in argv, env_name=env_name)
+        parser = make_parser(main_job="--config" not in argv, env_name=env_name, printing="--print_config" in argv)
         if preflight.deepspeed_on_cpu():  # else "train_batch_size 2 != 2 * 1 * 2" once the model has loaded
             parser.set_defaults(use_cpu=True)
-        printing = printing_only() if "--print_config" in argv else contextlib.nullcontext()
-        with printing:
-            script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
         usage_error(str(err))
     script_args.recipe = recipe

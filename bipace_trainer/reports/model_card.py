@@ -19,7 +19,7 @@ import trl
 from ..models import cache_dir
 
 __all__ = [
-    "model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER",
+    "model_card", "write_model_card", "keep_foreign_readme", "table_cell", "project_url", "tracker_links", "PAPERS", "PRESET_PAPERS", "CARD_MARKER",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,6 @@ def model_card(
     `trackers`: lines for the tracking section (default: `tracker_links`).
     """
     base, hub_id = _base_model(getattr(model.config, "_name_or_path", "") or "")
-    est = args.estimator
     peft = getattr(model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()
@@ -213,19 +212,12 @@ def model_card(
         f"max turns {args.max_turns}, history {args.history_length}",
         "- tracking: " + ("; ".join(trackers) if trackers else "none"),
         "",
-        "## Estimator",
-        f"- preset: `{args.preset}`; partition `{est.partition}`, baseline `{est.baseline}`, "
-        f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.gamma}, norm `{est.norm}`",
-        f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
+        *_estimator_lines(args, eps),
         "",
         "## Evaluation",
         *_evaluation(args, eval_history, report_key),
         "",
-        "## Use",
-        "```python",
-        "from peft import AutoPeftModelForCausalLM" if peft else "from transformers import AutoModelForCausalLM",
-        f"model = {'AutoPeftModelForCausalLM' if peft else 'AutoModelForCausalLM'}.from_pretrained({model_name!r})",
-        "```",
+        *_use_lines(model_name, bool(peft)),
         "",
         "## Citation",
         "The methods behind this preset:",
@@ -234,3 +226,35 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def _estimator_lines(args, eps: float | None) -> list[str]:
+    est = args.estimator
+    return [
+        "## Estimator",
+        f"- preset: `{args.preset}`; partition `{est.step_partition}`, baseline `{est.step_baseline}`, "
+        f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.step_gamma}, norm `{est.advantage_norm}`",
+        f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
+    ]
+
+
+def _use_lines(model_name: str, peft: bool) -> list[str]:
+    return [
+        "## Use",
+        "```python",
+        "from peft import AutoPeftModelForCausalLM" if peft else "from transformers import AutoModelForCausalLM",
+        f"model = {'AutoPeftModelForCausalLM' if peft else 'AutoModelForCausalLM'}.from_pretrained({model_name!r})",
+        "```",
+    ]
+
+
+def write_model_card(directory, args, model, model_name: str | None, *, steps: int, source, eps, eval_history, recipe=None) -> None:
+    """`model_card` written as `<directory>/README.md`; `source` is the run's env source (its name and
+    `report_key`), `model_name` defaults to the folder's name."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    card = model_card(
+        args, model, model_name or directory.name, steps=steps, env=source.name, report_key=source.report_key,
+        eps=eps, eval_history=eval_history, recipe=recipe,
+    )
+    (directory / "README.md").write_text(card)

@@ -148,6 +148,34 @@ def diagnostic_series(log_history: Sequence[dict[str, Any]]) -> dict[str, list[t
     return dict(sorted(series.items()))
 
 
+def _held_out_traces(eval_history: Sequence[dict[str, Any]]) -> list[Any]:
+    """One scatter of held-out success with its 95% interval per evaluation occasion, in run order."""
+    import plotly.graph_objects as go
+
+    traces = []
+    for tag in dict.fromkeys(e.get("tag", "") for e in eval_history):
+        summaries = [(e, evaluation_summary(e)) for e in eval_history if e.get("tag", "") == tag]
+        summaries = [(e, s) for e, s in summaries if s is not None]
+        if not summaries:
+            continue
+        traces.append(
+            go.Scatter(
+                x=[e.get("step", 0) for e, _ in summaries],
+                y=[s["success_rate"] for _, s in summaries],
+                mode="markers",
+                marker={"symbol": eval_marker(tag, 1), "size": 10},  # "before" and "final" read apart
+                name=f"held-out success ({tag}, 95% CI)",
+                error_y={
+                    "type": "data", "symmetric": False,
+                    "array": [s["ci95"][1] - s["success_rate"] for _, s in summaries],
+                    "arrayminus": [s["success_rate"] - s["ci95"][0] for _, s in summaries],
+                },
+                text=[f"{s['successes']} of {s['episodes']} episodes ({e.get('split', '')})" for e, s in summaries],
+            )
+        )
+    return traces
+
+
 def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """{title: plotly Figure}: the rates (training-batch success, success over every rollout played,
     valid-action rate, held-out success with its 95% interval), the loss, and the diagnostics."""
@@ -163,26 +191,8 @@ def curve_figures(log_history: Sequence[dict[str, Any]], eval_history: Sequence[
         if points:
             x, y = zip(*points)
             rates.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label))
-    for tag in dict.fromkeys(e.get("tag", "") for e in eval_history):  # one trace per occasion, in run order
-        summaries = [(e, evaluation_summary(e)) for e in eval_history if e.get("tag", "") == tag]
-        summaries = [(e, s) for e, s in summaries if s is not None]
-        if not summaries:
-            continue
-        rates.add_trace(
-            go.Scatter(
-                x=[e.get("step", 0) for e, _ in summaries],
-                y=[s["success_rate"] for _, s in summaries],
-                mode="markers",
-                marker={"symbol": eval_marker(tag, 1), "size": 10},  # "before" and "final" read apart
-                name=f"held-out success ({tag}, 95% CI)",
-                error_y={
-                    "type": "data", "symmetric": False,
-                    "array": [s["ci95"][1] - s["success_rate"] for _, s in summaries],
-                    "arrayminus": [s["success_rate"] - s["ci95"][0] for _, s in summaries],
-                },
-                text=[f"{s['successes']} of {s['episodes']} episodes ({e.get('split', '')})" for e, s in summaries],
-            )
-        )
+    for trace in _held_out_traces(eval_history):
+        rates.add_trace(trace)
     if rates.data:
         rates.update_layout(yaxis={"range": [-0.05, 1.05], "title": "rate"})
         overlap = intervals_overlap(eval_history)

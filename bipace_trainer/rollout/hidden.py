@@ -21,11 +21,46 @@ Two ways to get it:
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["resolve_layer_module", "PrefillCapture", "PositionCapture", "forward_hidden_states", "num_hidden_layers"]
+__all__ = [
+    "resolve_layer_module", "PrefillCapture", "PositionCapture", "forward_hidden_states", "num_hidden_layers",
+    "HiddenPlan", "HIDDEN_SOURCES", "resolve_cluster_layer", "clamp_layer",
+]
+
+# Where a run's hidden states come from: nowhere (the estimator reads none), a hook in generate's
+# prefill (HF), the old-logprob pass that runs anyway under vLLM, or one extra forward pass.
+HIDDEN_SOURCES = ("none", "prefill", "old_logprobs", "forward")
+
+
+@dataclass(frozen=True)
+class HiddenPlan:
+    """Where this run's hidden states come from and at which layer: chosen once, by `choose`.
+
+    The rollout reads it to capture in the generation ("prefill", "forward"; training rollouts
+    only), the training batch to capture in its old-logprob pass ("old_logprobs"), which hands
+    the states back to the caller, who passes them into the estimator's input."""
+
+    source: str = "none"
+    layer: int = -1
+
+    @classmethod
+    def choose(cls, needs_hidden: bool, hidden_capture: str, use_vllm: bool, layer: int) -> "HiddenPlan":
+        """`hidden_capture="hook"` is the prefill hook under HF generate and the old-logprob pass under
+        vLLM (whose engine exposes no hidden states); "forward" is one extra pass either way."""
+        if not needs_hidden:
+            return cls("none", layer)
+        if hidden_capture == "forward":
+            return cls("forward", layer)
+        return cls("old_logprobs" if use_vllm else "prefill", layer)
+
+    @property
+    def in_generation(self) -> bool:
+        """The generation itself captures them (prefill hook or extra pass)."""
+        return self.source in ("prefill", "forward")
 
 
 def num_hidden_layers(model: nn.Module) -> int:
@@ -69,22 +104,36 @@ def resolve_layer_module(model: nn.Module, layer: int) -> nn.Module:
     return layers[index - 1]
 
 
-def clamp_layer(model: nn.Module, layer: int) -> int:
-    """`layer` (`cluster_layer`), or, past this model's depth, the nearest decoder layer, with a warning:
-    the default -8 (8 from the top, as the paper's -8 of 28 for a 7B model) has no meaning on a
-    model with fewer layers, and the one-word switch from GRPOTrainer must work on any model.
-    A negative index clamps to -num_layers (the first decoder layer's output, never the
-    embeddings, which only say which token came last), a positive one to num_layers."""
-    num_layers = num_hidden_layers(model)
-    clamped = max(-num_layers, min(layer, num_layers))
-    if clamped != layer:
-        warnings.warn(
-            f"cluster_layer={layer} is out of range for a model with {num_layers} layers; using cluster_layer={clamped} "
-            f"(set cluster_layer in -{num_layers + 1}..{num_layers} to choose).",
-            stacklevel=2,
+def resolve_cluster_layer(num_layers: int, layer: int) -> int:
+    """The one rule for `cluster_layer` on a model with `num_layers` decoder layers.
+
+    `layer` indexes `hidden_states` (`output_hidden_states=True`): -(L+1)..L, 0 and -(L+1) the
+    embeddings, L and -1 the last layer's output. A negative index past the model's depth counts
+    from the top and stops at the first decoder layer (-L), with a warning: the default -8 (8 from
+    the top, as the paper's -8 of 28 for a 7B model) must work on a shallower model, and the
+    embeddings say only which token came last. A positive index past the depth names a layer that
+    does not exist: a ValueError naming `cluster_layer` and the range.
+    """
+    if layer > num_layers:
+        raise ValueError(
+            f"cluster_layer={layer} is out of range for a model with {num_layers} layers; "
+            f"use -{num_layers + 1}..{num_layers} (output_hidden_states indexing, e.g. -8)."
         )
-    resolve_layer_module(model, clamped)
-    return clamped
+    if layer < -(num_layers + 1):
+        warnings.warn(
+            f"cluster_layer={layer} is out of range for a model with {num_layers} layers; using cluster_layer={-num_layers} "
+            f"(set cluster_layer in -{num_layers + 1}..{num_layers} to choose).",
+            stacklevel=3,
+        )
+        return -num_layers
+    return layer
+
+
+def clamp_layer(model: nn.Module, layer: int) -> int:
+    """`cluster_layer` resolved for `model` (`resolve_cluster_layer`), checked to name one of its modules."""
+    resolved = resolve_cluster_layer(num_hidden_layers(model), layer)
+    resolve_layer_module(model, resolved)
+    return resolved
 
 
 class PrefillCapture:

@@ -1,6 +1,6 @@
 """The next generation's episodes played while the current update runs (`max_staleness=1`).
 
-    overlap = RolloutOverlap(trainer)                       # the trainer builds it when max_staleness=1
+    overlap = RolloutOverlap(collector, spec, step, G)      # the trainer builds it when max_staleness=1
     iterator = overlap.lookahead(epoch_iterator)            # its `get_batch_samples`: rows can be peeked
     played = overlap.take(inputs)                           # this generation's rollout, if it was prefetched
     ...                                                     # the batch, its importance ratio, the update
@@ -24,7 +24,7 @@ multiplies the advantages by it, `batching.training_batch` computes it). What ma
   The global RNG, which the main thread's shuffling and dropout read, is never drawn from, so a
   seeded run repeats its completions whatever the threads' timing.
 - Behaviour log-probs: after the rollout, the snapshot scores its own completions through
-  TRL's `_get_per_token_logps_and_entropies` on the very tensors the old-logprob pass reads
+  TRL's `_get_per_token_logps_and_entropies` (`batching.TRLBatchSpec.per_token_logps`) on the very tensors the old-logprob pass reads
   (`batching.padded_tensors`), so with unchanged weights ρ is exactly 1.
 - Rows known in advance: `Lookahead` wraps the Trainer's epoch iterator, so the rows of the
   generation `generate_every` micro-steps ahead can be read before the training loop asks for
@@ -54,21 +54,19 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as lp
-from trl.trainer.utils import add_fused_lm_head, pad
+from trl.trainer.utils import add_fused_lm_head
 
 from ..trl_compat import forward_closes_over, fused_lm_head_settings
-from .batching import padded_tensors
+from .batching import TRLBatchSpec, padded_tensors
 from .loop import Rollout
+from .policy import ModelPolicy
 
-if TYPE_CHECKING:
-    from trl import GRPOTrainer
-
-__all__ = ["RolloutOverlap", "SnapshotPolicy", "PrivateSampler", "Lookahead", "Prefetched", "sampling_warpers"]
+__all__ = ["RolloutOverlap", "check_overlap", "SnapshotPolicy", "PrivateSampler", "Lookahead", "Prefetched", "sampling_warpers"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,16 +151,26 @@ def snapshot_module(module: torch.nn.Module) -> torch.nn.Module:
     return snapshot
 
 
-class SnapshotPolicy:
-    """A frozen copy of the policy (`snapshot_module`) that generates one turn the way TRL's HF
-    `_generate_single_turn` does (left-padded prompts, completions cut after the first EOS),
-    sampling from its own generator (`PrivateSampler`). `refresh` copies the live trainable
-    weights into it in place, so a full fine-tune allocates the copy once."""
+class SnapshotPolicy(ModelPolicy):
+    """A frozen copy of the live policy (`snapshot_module`) that generates one turn the way TRL's HF
+    `_generate_single_turn` does (left-padded prompts, completions cut after the first EOS; a
+    `policy.ModelPolicy`), sampling from its own generator (`PrivateSampler`). `refresh` copies the
+    live trainable weights into it in place, so a full fine-tune allocates the copy once.
 
-    def __init__(self, trainer: GRPOTrainer, live: torch.nn.Module):
-        self.trainer = trainer
-        self.module = snapshot_module(live)
-        live_params = dict(live.named_parameters())
+    Args:
+        live: the trainer's `policy.TRLPolicy` (its module, generation config, tokenizer).
+        spec: what scoring the behaviour log-probs takes (`batching.TRLBatchSpec`).
+    """
+
+    def __init__(self, live, spec: TRLBatchSpec):
+        module = live.module
+        super().__init__(
+            snapshot_module(module), live.trl.tokenizer, live.trl.generation_config,
+            pad_to_multiple_of=live.trl.pad_to_multiple_of, eos_token_ids=live.eos_token_ids,
+            per_forward_rows=live.per_forward_rows,  # the extra hidden-state pass in the live policy's chunks
+        )
+        self.live, self.spec = live, spec
+        live_params = dict(module.named_parameters())
         self._pairs = [
             (live_params[name], param) for name, param in self.module.named_parameters()
             if live_params[name].requires_grad
@@ -171,44 +179,28 @@ class SnapshotPolicy:
         self.sampler: PrivateSampler | None = None
         self.step = -1
 
+    @property
+    def device(self):
+        return self.spec.accelerator.device
+
     def refresh(self, step: int, seed: int) -> None:
         """Take the live weights of optimizer step `step` and the training generation settings now,
         and reseed the sampler from (`seed`, `step`)."""
         with torch.no_grad():
             for live, copied in self._pairs:
                 copied.copy_(live)
-        config = copy.deepcopy(self.trainer.generation_config)
+        config = copy.deepcopy(self.live.trl.generation_config)
         warpers = sampling_warpers(config) if config.do_sample else []
         sample = bool(config.do_sample)
         for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
             if hasattr(config, name):
                 setattr(config, name, None)  # applied by the sampler; greedy `generate` would warn about them
         config.do_sample = False
-        self.config = config
-        generator = torch.Generator(device=self.trainer.accelerator.device).manual_seed(seed)
+        self.config = self.generation_config = config
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = PrivateSampler(warpers, generator) if sample else None
+        self.logits_processor = LogitsProcessorList([self.sampler] if self.sampler is not None else [])
         self.step = step
-
-    def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
-        trainer = self.trainer
-        device = trainer.accelerator.device
-        tensors = [torch.tensor(ids) for ids in prompt_ids]
-        pad_id = trainer._tokenizer.pad_token_id
-        input_ids = pad(tensors, padding_value=pad_id, padding_side="left", pad_to_multiple_of=trainer.pad_to_multiple_of)
-        mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
-                   pad_to_multiple_of=trainer.pad_to_multiple_of)
-        processors = LogitsProcessorList([self.sampler] if self.sampler is not None else [])
-        with torch.no_grad():
-            output = self.module.generate(
-                input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=self.config,
-                logits_processor=processors,
-            )
-        completions = output[:, input_ids.size(1):]
-        is_eos = torch.isin(completions, torch.tensor(trainer.eos_token_ids, device=completions.device))
-        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completions.device)
-        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
-        keep = torch.arange(is_eos.size(1), device=completions.device).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
-        return [c[m].tolist() for c, m in zip(completions.cpu(), keep.cpu())], None
 
     def score(self, steps) -> None:
         """Set each step's `sampling_logprobs` to this policy's per-token log-probs of its completion,
@@ -216,16 +208,16 @@ class SnapshotPolicy:
         rounded up to `steps_per_generation`) by TRL's `_get_per_token_logps_and_entropies`."""
         if not steps:
             return
-        trainer = self.trainer
-        chunks = trainer.args.steps_per_generation
+        spec = self.spec
+        chunks = spec.args.steps_per_generation
         target = max(chunks, -(-len(steps) // chunks) * chunks)
-        prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer, steps, target)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(spec, steps, target)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         with torch.no_grad():
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            logps, _, _ = spec.per_token_logps(
                 self.module, input_ids, attention_mask, completion_ids.size(1),
-                batch_size=trainer.args.per_device_train_batch_size,
+                batch_size=spec.args.per_device_train_batch_size,
             )
         for step, row in zip(steps, logps.float().cpu()):
             step.sampling_logprobs = row[: len(step.completion_ids)].tolist()
@@ -326,17 +318,37 @@ class _Background:
         return Prefetched(self.rows, self._rollout, self.snapshot_step)
 
 
+def check_overlap(sharded: bool, trl_envs: bool) -> None:
+    """Refuse `max_staleness=1` where something on the background thread would have to run with the
+    other ranks (`sharded`: ZeRO-3/FSDP forwards) or beside training (`trl_envs`: TRL's reward functions)."""
+    if sharded:
+        raise ValueError(
+            "max_staleness=1 cannot run under ZeRO-3 or FSDP: every forward there gathers parameters across "
+            "ranks, and the background rollout's forwards run apart from the other ranks'. Set max_staleness=0."
+        )
+    if trl_envs:
+        raise ValueError(
+            "max_staleness=1 plays the project's TextEnvs (env_name) only: TRL's environment_factory/tools score "
+            "episodes through the trainer's reward functions, which cannot run beside training. Set max_staleness=0."
+        )
+
+
 class RolloutOverlap:
     """The trainer's side of `max_staleness=1`; see the module docstring.
 
-    `trainer` is a `GRPOTrainer` whose `collector` plays the rollouts. The tasks of a
-    generation are `trainer.collector.task_refs(rows, group_size)`; the trainer calls `take`
-    at each training generation, `start_next` after it, `join` before evaluations and saves,
-    `close` at the end of `train`.
+    Args:
+        collector: plays the rollouts (its `policy` is the live one the snapshot copies).
+        spec: what the training batch takes of the trainer (`batching.TRLBatchSpec`): the behaviour
+            log-probs are scored with it.
+        step: the trainer's global step now (the weights a snapshot holds).
+        num_generations: rows per task group (a generation's tasks are `collector.task_refs(rows, it)`).
+
+    The trainer calls `take` at each training generation, `start_next` after it, `join` before
+    evaluations and saves, `close` at the end of `train`.
     """
 
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
+    def __init__(self, collector, spec: TRLBatchSpec, step: Callable[[], int], num_generations: int):
+        self.collector, self.spec, self.step, self.num_generations = collector, spec, step, num_generations
         self.iterator: Lookahead | None = None
         self._source: Iterator | None = None
         self.policy: SnapshotPolicy | None = None
@@ -346,7 +358,7 @@ class RolloutOverlap:
 
     @property
     def generate_every(self) -> int:
-        return self.trainer.args.steps_per_generation * self.trainer.num_iterations
+        return self.spec.args.steps_per_generation * self.spec.num_iterations
 
     def lookahead(self, epoch_iterator: Iterator) -> Lookahead:
         """`epoch_iterator` wrapped once per epoch (the Trainer makes a new iterator each epoch)."""
@@ -371,9 +383,9 @@ class RolloutOverlap:
         one rank has nothing (a resume that found no `overlap_rollout_rank{r}.pt` of its own, a
         different process count), every rank plays the generation now, with the current weights."""
         prefetched = self._take(rows)
-        if self.trainer.collector.sync.any(prefetched is None) and prefetched is not None:
+        if self.collector.sync.any(prefetched is None) and prefetched is not None:
             logger.warning(
-                f"Rank {self.trainer.accelerator.process_index}: another rank has no prefetched rollout for this "
+                f"Rank {self.spec.accelerator.process_index}: another rank has no prefetched rollout for this "
                 "generation; every rank plays it now instead (staleness 0)."
             )
             return None
@@ -397,10 +409,9 @@ class RolloutOverlap:
         """Build the train envs a resumed generation was played on, now, with the counters the
         checkpoint restored: this step logs the env/* metrics the uninterrupted run logs (they
         count that generation's play) instead of none. The next generation plays on them anyway."""
-        collector = self.trainer.collector
-        tasks = collector.task_refs(rows, group_size=self.trainer.num_generations)
+        tasks = self.collector.task_refs(rows, group_size=self.num_generations)
         if tasks:
-            collector._envs("train", len(tasks))
+            self.collector.envs_for("train", len(tasks))
 
     def start_next(self, rows: list[dict[str, Any]]) -> bool:
         """Start playing the generation after `rows` on a background thread with a snapshot of
@@ -411,15 +422,14 @@ class RolloutOverlap:
         upcoming = self.iterator.peek(position + self.generate_every) if position is not None else None
         if upcoming is None:
             return False
-        trainer = self.trainer
-        live = trainer.accelerator.unwrap_model(trainer.model)
+        collector, args = self.collector, self.spec.args
         if self.policy is None:
-            self.policy = SnapshotPolicy(trainer, live)
-        step, rank = trainer.state.global_step, trainer.accelerator.process_index
-        self.policy.refresh(step, _seed(trainer.args.seed, "overlap", step, rank))
-        collector, policy = trainer.collector, self.policy
-        tasks = collector.task_refs(upcoming, group_size=trainer.num_generations)
-        penalize = trainer.args.penalize_env_failures
+            self.policy = SnapshotPolicy(collector.policy, self.spec)
+        step, rank = self.step(), self.spec.accelerator.process_index
+        self.policy.refresh(step, _seed(args.seed, "overlap", step, rank))
+        policy = self.policy
+        tasks = collector.task_refs(upcoming, group_size=self.num_generations)
+        penalize = args.penalize_env_failures
 
         def play() -> Rollout:
             rollout = collector.collect("train", tasks, traj_offset=rank * len(tasks), policy=policy)

@@ -52,17 +52,20 @@ import inspect
 import json
 import logging
 import numbers
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 from envs.base import StepResult, TextEnv
 from envs.trl_env import EnvironmentFailure
 
-from ..trl_compat import rank_local_gather
-from .loop import Action, EnvAdapter, Rollout, TaskRef, _is_failure
+from .adapters import EnvAdapter, is_failure as _is_failure
+from .types import Action, Rollout, TaskRef
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ToolSession", "ToolEnvAdapter", "PromptAdapter", "tool_methods", "check_environment_factory", "SCORE"]
+__all__ = [
+    "ToolSession", "ToolEnvAdapter", "PromptAdapter", "ToolEnvSetup", "tool_methods", "check_environment_factory", "SCORE",
+]
 
 SCORE = "__bipace_score__"  # the command that asks a session for its env's get_reward()
 _warned_stateless: set[str] = set()  # tools already warned about (once per process)
@@ -232,28 +235,56 @@ def _tool_calls(parsed: dict[str, Any]) -> list[dict[str, Any]]:
     return calls
 
 
+@dataclass
+class ToolEnvSetup:
+    """What playing TRL's envs takes of the `GRPOTrainer` whose `__init__` set them up, handed over by
+    the trainer as values and bound methods, so the rollout never holds the trainer.
+
+    `user_rewards(rows, prompts, completions, completion_ids, environments)`: the user's
+    `reward_funcs` (the first `num_user_reward_funcs` of TRL's), unweighted, (n, k), on this rank's
+    rows alone (TRL's `_calculate_rewards` without its cross-rank gather, see
+    `ToolEnvAdapter._user_rewards`). `take_reward_logs()`: what reward functions logged through TRL's
+    `log_metric` / `log_extra` since the last call, as (metrics, extra) dicts, emptied."""
+
+    environment_factories: dict[Hashable, Callable] | None
+    multi_environment: bool
+    standalone_tools: list[Callable]
+    env_tools: dict[Hashable, list[Callable]]  # per environment name, the tools TRL renders and parses with
+    tools: list[Callable] | None  # TRL's `tools`
+    tokenizer: Any  # parses replies (TRL's `parse_response`)
+    max_tool_calling_iterations: int | None
+    num_reward_funcs: int  # TRL's reward columns: the user's, then one `get_reward` per env class
+    reward_func_names: list[str]
+    reward_weights: Any  # (num_reward_funcs,) tensor
+    user_rewards: Callable[..., Any]
+    take_reward_logs: Callable[[], tuple[dict[str, list[float]], dict[str, Any]]]
+    max_completion_length: int  # TRL's: the budget of an episode's whole completion (replies and tool results)
+    tool_suffix_ids: Callable[[list[dict[str, Any]]], list[int]]  # TRL's `_get_tool_suffix_ids`: tokens tool results add
+    warned_log_extra: bool = False  # `log_extra` columns are warned about once per run
+
+
 class ToolEnvAdapter(EnvAdapter):
     """Plays TRL envs in a `run_rollouts` loop; see the module docstring.
 
     Args:
-        trainer: the `GRPOTrainer` whose `__init__` set up the envs (`_env_tools`,
-            `_multi_environment`, `max_tool_calling_iterations`, `reward_funcs`...).
-        num_user_reward_funcs: how many of `trainer.reward_funcs` the user passed (TRL
+        setup: what `GRPOTrainer.__init__` set up (`ToolEnvSetup`: its tools per env,
+            `max_tool_calling_iterations`, reward functions...).
+        num_user_reward_funcs: how many of TRL's reward functions the user passed (TRL
             appends one `get_reward` column per env class after them; those are played by
             the sessions instead, inside the env failure contract).
     """
 
     uses_tools = True
 
-    def __init__(self, trainer, num_user_reward_funcs: int):
-        self.trainer = trainer
+    def __init__(self, setup: ToolEnvSetup, num_user_reward_funcs: int):
+        self.setup = setup
         self.num_user_reward_funcs = num_user_reward_funcs
 
     # -- per rollout
     def _new_rollout(self, tasks: Sequence[TaskRef]) -> None:
         self.tasks = list(tasks)
         self.rows = [dict(task.inputs or {}) for task in tasks]
-        multi = self.trainer._multi_environment if self.trainer.environment_factories is not None else False
+        multi = self.setup.multi_environment if self.setup.environment_factories is not None else False
         self.names = [row.get("environment") if multi else None for row in self.rows]
         self.tool_rounds = [0] * len(tasks)
         self.tool_calls = [0] * len(tasks)  # TRL's tools/call_frequency and tools/failure_frequency, per episode
@@ -295,7 +326,7 @@ class ToolEnvAdapter(EnvAdapter):
         growth since the first turn); True if it was cut."""
         if self.first_prompt[i] is None:
             self.first_prompt[i] = len(prompt_ids)
-        left = max(self.trainer.max_completion_length - (len(prompt_ids) - self.first_prompt[i]), 0)
+        left = max(self.setup.max_completion_length - (len(prompt_ids) - self.first_prompt[i]), 0)
         cut = len(completion_ids) > left
         if cut:
             del completion_ids[left:]
@@ -306,11 +337,12 @@ class ToolEnvAdapter(EnvAdapter):
     def act(self, i, text, prompt_ids, completion_ids):
         from trl.chat_template_utils import parse_response
 
+        setup = self.setup
         if self._fit_budget(i, prompt_ids, completion_ids):  # the budget is spent: the episode ends, no call runs
-            text = self.trainer.processing_class.decode(completion_ids, skip_special_tokens=True)
+            text = setup.tokenizer.decode(completion_ids, skip_special_tokens=True)
             return Action(None, True, "answer: " + " ".join(text.lower().split()), {"role": "assistant", "content": text})
-        tools = self.trainer._env_tools[self.names[i]] if self.trainer.environment_factories is not None else self.trainer.tools
-        parsed = parse_response(self.trainer._tokenizer, list(completion_ids), prefix=list(prompt_ids), tools=tools)
+        tools = setup.env_tools[self.names[i]] if setup.environment_factories is not None else setup.tools
+        parsed = parse_response(setup.tokenizer, list(completion_ids), prefix=list(prompt_ids), tools=tools)
         calls = _tool_calls(parsed)
         if not calls:  # an answer: the episode ends here
             return Action(None, True, "answer: " + " ".join(str(parsed.get("content", "")).lower().split()), parsed)
@@ -326,7 +358,7 @@ class ToolEnvAdapter(EnvAdapter):
             self.chats[i].append(action.parsed)
             if action.command is None:
                 local[i] = StepResult(observation="", done=True, info={"truncated": "max_completion_length"} if self.cut[i] else {})
-            elif self.tool_rounds[i] >= self.trainer.max_tool_calling_iterations:
+            elif self.tool_rounds[i] >= self.setup.max_tool_calling_iterations:
                 local[i] = StepResult(observation="", done=True, info={"truncated": "max_tool_calling_iterations"})
             else:
                 self.tool_rounds[i] += 1
@@ -359,8 +391,8 @@ class ToolEnvAdapter(EnvAdapter):
         `max_completion_length`."""
         if not messages:
             return False
-        suffix = self.trainer._get_tool_suffix_ids(messages)
-        return self.completion_tokens[i] + len(suffix) > self.trainer.max_completion_length
+        suffix = self.setup.tool_suffix_ids(messages)
+        return self.completion_tokens[i] + len(suffix) > self.setup.max_completion_length
 
     def finish(self, envs, rollout: Rollout) -> None:
         """Each episode's reward on its last step: `get_reward` (in the session) plus the
@@ -373,7 +405,7 @@ class ToolEnvAdapter(EnvAdapter):
             episode.tool_calls, episode.tool_failures = self.tool_calls[i], self.tool_failures[i]
         scored = [not e.failed and e.traj in last for e in episodes]
         rewards = [0.0] * len(episodes)
-        if len(self.trainer.reward_funcs) > self.num_user_reward_funcs:  # TRL found a get_reward
+        if self.setup.num_reward_funcs > self.num_user_reward_funcs:  # TRL found a get_reward
             results = envs.step([SCORE if ok else None for ok in scored])
             for i, result in enumerate(results):
                 if not scored[i]:
@@ -411,7 +443,7 @@ class ToolEnvAdapter(EnvAdapter):
         env instance may be broken, so a reward function reading it must not stop the run."""
         import torch
 
-        trainer, k = self.trainer, self.num_user_reward_funcs
+        setup, k = self.setup, self.num_user_reward_funcs
         totals = [0.0] * len(self.tasks)
         keep = [i for i, ok in enumerate(scored) if ok]
         if not keep:
@@ -422,22 +454,13 @@ class ToolEnvAdapter(EnvAdapter):
         instances = self._instances(envs)
         rows, prompts = [self.rows[i] for i in keep], [self.prompts[i] for i in keep]
         completions = [self._completion(i) for i in keep]
-        saved = trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments
-        trainer.reward_funcs, trainer.reward_func_names = saved[0][:k], saved[1][:k]
-        trainer.reward_processing_classes = saved[2][:k]
-        if trainer.environment_factories is not None:  # as TRL: reward functions see `environments` only then
-            trainer.environments = [instances[i] for i in keep]
-        try:
-            with rank_local_gather():  # rank-local (docstring)
-                per_func = trainer._calculate_rewards(rows, prompts, completions, [completion_ids[i] for i in keep])
-        finally:
-            trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes, trainer.environments = saved
+        per_func = setup.user_rewards(rows, prompts, completions, [completion_ids[i] for i in keep], [instances[i] for i in keep])
         self._take_reward_logs(rollout)
-        weights = trainer.reward_weights[:k].to(per_func.device)
+        weights = setup.reward_weights[:k].to(per_func.device)
         total = torch.nan_to_num((per_func * weights.unsqueeze(0)).nansum(dim=1), nan=0.0)
         for row, (i, value) in enumerate(zip(keep, total)):
             totals[i] = float(value)
-            for name, term in zip(trainer.reward_func_names[:k], per_func[row].tolist()):
+            for name, term in zip(setup.reward_func_names[:k], per_func[row].tolist()):
                 rollout.episodes[i].reward_terms[name] = term  # unweighted, as TRL logs rewards/<name>/mean
         return totals
 
@@ -450,15 +473,12 @@ class ToolEnvAdapter(EnvAdapter):
         the rollout's metrics, so a training step logs it) and `log_extra` (TRL's columns are one
         value per episode, the completions table has a row per turn: dropped, with a warning).
         TRL flushes both in the `_generate_and_score_completions` this trainer replaces."""
-        pending = getattr(self.trainer, "_pending_metrics", {})
+        pending, extra = self.setup.take_reward_logs()
         rollout.reward_metrics.update({name: sum(values) / len(values) for name, values in pending.items() if values})
-        pending.clear()
-        extra = getattr(self.trainer, "_pending_extra_logs", {})
-        if extra and not getattr(self.trainer, "_warned_log_extra", False):
-            self.trainer._warned_log_extra = True  # once per run
+        if extra and not self.setup.warned_log_extra:
+            self.setup.warned_log_extra = True  # once per run
             logger.warning(f"reward functions logged log_extra columns {sorted(extra)}; BiPACETrainer's completions "
                            "table has one row per turn and does not show them (log_metric values are logged).")
-        extra.clear()
 
 
 class PromptAdapter(ToolEnvAdapter):
@@ -489,7 +509,7 @@ class PromptAdapter(ToolEnvAdapter):
         if isinstance(self.prompts[i], str):
             reply: Any = text
         else:
-            tokenizer = self.trainer._tokenizer
+            tokenizer = self.setup.tokenizer
             if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
                 from trl.chat_template_utils import parse_response
 

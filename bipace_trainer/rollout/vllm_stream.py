@@ -1,6 +1,6 @@
 """The continuous rollout through vLLM's own continuous batching (colocate, one engine per rank).
 
-    stream = StreamTurns(trainer, tokenize, prefix_cache, name="train")    # the collector builds it
+    stream = StreamTurns(policy, name="train")                            # the collector builds it
     rollout = run_rollouts(envs, tasks, stream, settings)                  # continuous, engine level
 
 TRL's colocate generation is one blocking `LLM.generate` per call: the engine batches the
@@ -20,10 +20,10 @@ step go to their envs while the others keep decoding (`loop._continuous_stream`)
   step, the rollout's name, the episode's trajectory id and turn) makes each reply depend on
   its own request only. The engine's `logprobs_mode` ("processed_logprobs") is TRL's, set
   when TRL built the engine.
-- `StreamTurns`: the loop's `StreamingGenerator` over a `GRPOTrainer`: prompts tokenized per
-  episode through the collector's `_tokenize` (TRL's `_tokenize_prompts`, tool schemas of
-  each episode's environment included), TRL's weight push before the first request of a new
-  step (`_last_loaded_step`, as `_generate_single_turn` does), the sampled token's logprob
+- `StreamTurns`: the loop's `StreamingGenerator` over the trainer's `policy.TRLPolicy`: prompts
+  tokenized per episode through it (TRL's `_tokenize_prompts`, tool schemas of each episode's
+  environment included), TRL's weight push before the first request of a new step
+  (`TRLPolicy.push_weights`, as `_generate_single_turn` does), the sampled token's logprob
   per completion token (`extract_logprobs`, top-1, as `_generate_single_turn` keeps), the
   prefix-cache tallies (`PrefixCacheCounter.add`), and hidden states by one extra pass when
   `hidden_capture="forward"` asks for them (the "hook" capture comes from the old-logprob
@@ -55,7 +55,7 @@ import itertools
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Hashable
 
 from .loop import Generation
 
@@ -273,27 +273,17 @@ class StreamTurns:
     colocate's engine (`EngineStream`) or the server (`ServerStream`).
 
     Args:
-        trainer: the `GRPOTrainer` (its `vllm_generation`, `processing_class`, `state`, seed).
-        tokenize: (messages, environments) → prompt ids, the collector's `_tokenize`.
-        prefix_cache: a `PrefixCacheCounter` (or None), fed every finished request that says
-            how many of its prompt tokens came from the cache.
+        policy: the trainer's `policy.TRLPolicy` (its `vllm_generation`, tokenizer, decoding,
+            weight version and push, prefix-cache counter, the run's seed).
         name: the rollout's name ("train", "eval"), part of every request's seed.
-        hidden: prompt ids → hidden states (the collector's `_forward_hidden`), or None.
+        hidden: the run's `HiddenPlan` when its states come from one extra pass ("forward"), or None.
         max_in_flight: server mode's cap on requests in flight (its worker threads).
     """
 
-    def __init__(
-        self,
-        trainer,
-        tokenize: Callable,
-        prefix_cache=None,
-        name: str = "",
-        hidden: Callable | None = None,
-        max_in_flight: int = 256,
-    ):
-        generation = trainer.vllm_generation
-        self.trainer, self.generation = trainer, generation
-        self.tokenize, self.prefix_cache, self.name, self.hidden = tokenize, prefix_cache, name, hidden
+    def __init__(self, policy, name: str = "", hidden=None, max_in_flight: int = 256):
+        generation = policy.vllm_generation
+        self.policy, self.generation = policy, generation
+        self.prefix_cache, self.name, self.hidden = policy.prefix_cache, name, hidden
         if generation.mode == "server":
             self.engine = ServerStream(generation.vllm_client, max_in_flight=max_in_flight)
             self.params = server_sampling_params
@@ -309,28 +299,21 @@ class StreamTurns:
     def _weights_current(self, barrier: bool = False) -> None:
         """TRL's `_generate_single_turn`: push the weights when the training step changed (with
         `barrier`, every rank then waits until the push is done)."""
-        trainer, generation = self.trainer, self.generation
+        generation = self.generation
         if generation.mode == "colocate" and generation.enable_sleep_mode:
             raise RuntimeError(
                 "The engine stream runs inside `WeightSyncs.awake()` (the collector's rollout scope) when "
                 "vllm_enable_sleep_mode is on: outside it the engine may be asleep."
             )
-        if trainer.state.global_step != trainer._last_loaded_step:
-            from trl.extras.profiling import profiling_context
-
-            with profiling_context(trainer, "sync_weights"):
-                generation.sync_weights()
-            trainer._last_loaded_step = trainer.state.global_step
-            if barrier and trainer.accelerator.num_processes > 1:
-                trainer.accelerator.wait_for_everyone()
+        self.policy.push_weights(barrier=barrier)
 
     def submit(self, keys, messages, environments=None) -> list[list[int]]:
         if not keys:
             return []
         self._weights_current()
-        prompt_ids = self.tokenize(messages, environments)
-        base = self.generation.generation_kwargs.get("seed", self.trainer.args.seed)
-        step = self.trainer.state.global_step
+        prompt_ids = self.policy.tokenize(messages, environments)
+        base = self.generation.generation_kwargs.get("seed", self.policy.args.seed)
+        step = self.policy.weight_version
         for key, ids in zip(keys, prompt_ids):
             traj, turn = key
             params = self.params(self.generation, request_seed(base, step, self.name, traj, turn))
@@ -343,12 +326,12 @@ class StreamTurns:
             self.prefix_cache.add([f for f in finished if f.num_cached_tokens is not None])
         prompt_ids = [f.prompt_token_ids for f in finished]
         completion_ids = [f.completion_ids for f in finished]
-        texts = self.trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True) if finished else []
+        texts = self.policy.decode(completion_ids) if finished else []
         logprobs = [f.logprobs for f in finished] if all(f.logprobs is not None for f in finished) else None
         hidden, hidden_seconds = None, 0.0
         if self.hidden is not None and finished:
             start = time.perf_counter()
-            hidden = self.hidden(prompt_ids)
+            hidden = self.policy.forward_hidden(prompt_ids, self.hidden.layer)
             hidden_seconds = time.perf_counter() - start
         return [f.key for f in finished], Generation(prompt_ids, completion_ids, texts, hidden, logprobs, hidden_seconds)
 

@@ -30,8 +30,7 @@ class Stoppable(Protocol):
 
     interrupted: bool  # set on SIGTERM: `train` returns None, the final evaluation is skipped
     state: TrainerState  # TRL's: global_step, max_steps
-    _saving: bool  # a checkpoint is being written: a second SIGTERM waits for it
-    _sync: CrossRankSync  # so every rank stops at the same step
+    saving_checkpoint: bool  # a checkpoint is being written: a second SIGTERM waits for it
 
 
 class GracefulStopCallback(TrainerCallback):
@@ -43,8 +42,9 @@ class GracefulStopCallback(TrainerCallback):
     writes (`checkpointing.save_atomically`) keep the last one loadable.
     """
 
-    def __init__(self, trainer: Stoppable):
+    def __init__(self, trainer: Stoppable, sync: CrossRankSync):
         self.trainer = trainer
+        self.sync = sync  # so every rank stops at the same step
         self._requested = False
         self._training_over = False
         self._previous = None
@@ -57,7 +57,7 @@ class GracefulStopCallback(TrainerCallback):
     def _request_stop(self, signum, frame):
         self.trainer.interrupted = True
         state = self.trainer.state
-        trained = bool(state.max_steps) and state.global_step >= state.max_steps and not self.trainer._saving
+        trained = bool(state.max_steps) and state.global_step >= state.max_steps and not self.trainer.saving_checkpoint
         if self._requested or self._training_over or trained:
             raise TrainingInterrupted(f"SIGTERM at step {self.trainer.state.global_step}")
         self._requested = True
@@ -68,7 +68,7 @@ class GracefulStopCallback(TrainerCallback):
             self._previous = signal.signal(signal.SIGTERM, self._request_stop)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer._sync.any(self._requested):  # every rank stops at the same step
+        if self.sync.any(self._requested):  # every rank stops at the same step
             self.trainer.interrupted = True
             control.should_save = True
             control.should_training_stop = True

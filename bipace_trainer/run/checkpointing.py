@@ -19,8 +19,8 @@ state) plus the run's own state:
 (`run_dir`): a resume compares the config with its own, and takes the identity with it,
 so a checkpoint copied anywhere resumes as the same run. `save_atomically` writes all of it into a staging folder and
 renames it into place (a full disk stops the run with `CheckpointWriteError`, the
-previous checkpoint intact);
-`load_run_state` reads the run's state back; `EpochSeededRepeatSampler` makes a resumed
+previous checkpoint intact); the state it saves is a value (`RunState`), not the trainer;
+`load_run_state` reads it back; `EpochSeededRepeatSampler` makes a resumed
 run draw the same task order as an uninterrupted one.
 """
 
@@ -31,7 +31,8 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers.trainer_utils import rotate_checkpoints
@@ -42,18 +43,13 @@ from .run_dir import STATE_FILE
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from torch import nn
-    from transformers import TrainerState
-
-    from ..advantages import StepAdvantageEstimator
-    from ..rollout.collector import RolloutCollector
 
 __all__ = [
     "BUFFER_FILE",
     "ENV_COUNTERS_FILE",
     "OVERLAP_FILE",
     "CheckpointWriteError",
-    "CheckpointedTrainer",
+    "RunState",
     "save_atomically",
     "load_run_state",
     "EpochSeededRepeatSampler",
@@ -87,43 +83,45 @@ def _out_of_space(err: BaseException | None) -> bool:
     return False
 
 
-class CheckpointedTrainer(Protocol):
-    """What a checkpoint reads from and restores into the trainer besides TRL's own files, and nothing else."""
+@dataclass
+class RunState:
+    """What a checkpoint holds besides TRL's files, as a value: the trainer builds it for
+    `save_atomically` and gets it back from `load_run_state`.
 
-    args: Any  # TRL's should_save, save_total_limit, output_dir, steps_per_generation (+ the run's config)
-    accelerator: Accelerator
-    state: TrainerState  # global_step, best_model_checkpoint
-    model: nn.Module  # its config's _name_or_path, for the run's identity
-    estimator: StepAdvantageEstimator  # its state (the calibrated ε)
-    eval_history: list[dict[str, Any]]
-    collector: RolloutCollector  # the training env counters
-    num_iterations: int
-    _checkpoint_staging: str | None  # where TRL's save writes while it runs
-    _step: int  # TRL's buffered generation, saved mid-generation
-    _buffered_inputs: list[dict[str, Any]] | None
-    _skip_update: bool
-    _overlap: Any  # `rollout.overlap.RolloutOverlap` with max_staleness=1, else None
-
-
-def save_atomically(trainer: CheckpointedTrainer, run_dir: Path, trl_save: Callable[[], None]) -> None:
-    """Write the checkpoint into a staging folder, then rename it into place.
-
-    `trl_save` is TRL's own `_save_checkpoint`; while it runs, `trainer._checkpoint_staging`
-    points the trainer's output folder (`_get_output_dir`) at the staging folder. A kill
-    during the save (SIGKILL, OOM, preemption) leaves only the staging folder, which
-    resuming ignores and the next save clears: `checkpoint-N` either exists complete,
-    the run's state included, or not at all. Every rank takes part.
+    estimator: the estimator's `state_dict()` (the calibrated ε). eval_history: every evaluation so far.
+    env_counters: this rank's training `VectorEnv` counters (None: no train envs yet).
+    buffer: TRL's buffered generation when saved mid-generation ({"step", "buffered_inputs",
+    "skip_update"}; None otherwise). prefetched: the generation played ahead (`overlap.state_dict()`), or None.
     """
-    accelerator = trainer.accelerator
+
+    estimator: dict[str, Any] | None = None
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+    env_counters: dict[str, Any] | None = None
+    buffer: dict[str, Any] | None = None
+    prefetched: dict[str, Any] | None = None
+
+
+def save_atomically(
+    run_dir: Path, state: RunState, trl_save: Callable[[Path], None], *, accelerator: Accelerator, args: Any,
+    step: int, model_name: str, best_model_checkpoint: str | None = None,
+) -> None:
+    """Write the checkpoint of optimizer step `step` into a staging folder, then rename it into place.
+
+    `trl_save(staging)` is TRL's own `_save_checkpoint`, writing under the `staging` folder (the
+    trainer points its output folder there while it runs). A kill during the save (SIGKILL, OOM,
+    preemption) leaves only the staging folder, which resuming ignores and the next save clears:
+    `checkpoint-N` either exists complete, the run's state included, or not at all. `args` gives
+    `should_save`, `save_total_limit`, `output_dir` and the run's config; `model_name` the run's
+    identity. Every rank takes part.
+    """
     staging = run_dir / ".staging"
-    name = f"checkpoint-{trainer.state.global_step}"
+    name = f"checkpoint-{step}"
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
     accelerator.wait_for_everyone()
-    trainer._checkpoint_staging = str(staging)
     try:
-        trl_save()
-        _write_run_state(trainer, staging / name)
+        trl_save(staging)
+        _write_run_state(state, staging / name, args, accelerator.process_index, model_name)
     except Exception as err:
         if not _out_of_space(err):
             raise
@@ -135,71 +133,61 @@ def save_atomically(trainer: CheckpointedTrainer, run_dir: Path, trl_save: Calla
             + (f"the previous checkpoint {previous.name} is intact: free space, then resume with --resume_from_checkpoint true."
                if previous else "no earlier checkpoint exists: free space and rerun."),
         ) from None
-    finally:
-        trainer._checkpoint_staging = None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(run_dir / name, ignore_errors=True)  # a re-save of the same step after a resume
         os.replace(staging / name, run_dir / name)
         shutil.rmtree(staging, ignore_errors=True)
-        if trainer.args.should_save:
+        if args.should_save:
             rotate_checkpoints(
-                output_dir=str(run_dir),
-                save_total_limit=trainer.args.save_total_limit,
-                best_model_checkpoint=trainer.state.best_model_checkpoint,
-                use_mtime=True,
+                output_dir=str(run_dir), save_total_limit=args.save_total_limit,
+                best_model_checkpoint=best_model_checkpoint, use_mtime=True,
             )
     accelerator.wait_for_everyone()
 
 
-def _write_run_state(trainer: CheckpointedTrainer, directory: Path) -> None:
-    rank = trainer.accelerator.process_index
-    if trainer.args.should_save:
-        state = {"estimator": trainer.estimator.state_dict(), "eval_history": trainer.eval_history}
+def _write_run_state(state: RunState, directory: Path, args: Any, rank: int, model_name: str) -> None:
+    if args.should_save:
+        saved = {"estimator": state.estimator, "eval_history": state.eval_history}
         # whose run this is and with which settings, for a resume to compare (`run_dir.compare_with_checkpoint`)
-        state.update(run_files.run_identity(trainer.args.output_dir))  # its run id, carried wherever it is copied
-        state["config"] = run_files.run_config(trainer.args, getattr(trainer.model.config, "_name_or_path", "") or "")
-        (directory / STATE_FILE).write_text(json.dumps(state))
-    counters = trainer.collector.env_counters("train")
-    if counters is not None:
+        saved.update(run_files.run_identity(args.output_dir))  # its run id, carried wherever it is copied
+        saved["config"] = run_files.run_config(args, model_name)
+        (directory / STATE_FILE).write_text(json.dumps(saved))
+    if state.env_counters is not None:
         path = directory / ENV_COUNTERS_FILE.format(rank=rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(counters))
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    if trainer._step % generate_every and trainer._buffered_inputs is not None:
+        path.write_text(json.dumps(state.env_counters))
+    if state.buffer is not None:
         directory.mkdir(parents=True, exist_ok=True)
-        buffer = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs, "skip_update": trainer._skip_update}
-        torch.save(buffer, directory / BUFFER_FILE.format(rank=rank))
-    overlap = getattr(trainer, "_overlap", None)
-    prefetched = overlap.state_dict() if overlap is not None else None
-    if prefetched is not None:  # joined by the trainer's `_save_checkpoint`
+        torch.save(state.buffer, directory / BUFFER_FILE.format(rank=rank))
+    if state.prefetched is not None:  # joined by the trainer's `_save_checkpoint`
         directory.mkdir(parents=True, exist_ok=True)
-        torch.save(prefetched, directory / OVERLAP_FILE.format(rank=rank))
+        torch.save(state.prefetched, directory / OVERLAP_FILE.format(rank=rank))
 
 
-def load_run_state(trainer: CheckpointedTrainer, checkpoint: str | None) -> None:
-    """Restore what `save_atomically` added to `checkpoint` (after TRL has loaded its own)."""
+def load_run_state(checkpoint: str | Path | None, rank: int, device: torch.device) -> RunState | None:
+    """What `save_atomically` added to `checkpoint` for rank `rank` (None without a checkpoint); the
+    tensors of the buffered generation and the prefetched rollout on `device`."""
     if checkpoint is None:
-        return
-    checkpoint, rank = Path(checkpoint), trainer.accelerator.process_index
+        return None
+    checkpoint, state = Path(checkpoint), RunState()
     if (checkpoint / STATE_FILE).exists():
-        state = json.loads((checkpoint / STATE_FILE).read_text())
-        trainer.estimator.load_state_dict(state["estimator"])
-        trainer.eval_history = state.get("eval_history", [])
+        saved = json.loads((checkpoint / STATE_FILE).read_text())
+        state.estimator, state.eval_history = saved["estimator"], saved.get("eval_history", [])
     counters_path = checkpoint / ENV_COUNTERS_FILE.format(rank=rank)
     if counters_path.exists():  # added to the train VectorEnv when the trainer builds it
-        trainer.collector.resumed_env_counters = json.loads(counters_path.read_text())
+        state.env_counters = json.loads(counters_path.read_text())
     buffer_path = checkpoint / BUFFER_FILE.format(rank=rank)
     if buffer_path.exists():  # saved mid-generation
-        buffer = _load_tensors(buffer_path, trainer.accelerator.device)
-        trainer._step, trainer._buffered_inputs = buffer["step"], buffer["buffered_inputs"]
+        buffer = _load_tensors(buffer_path, device)
         # older checkpoints carried the flag inside each micro-batch
-        carried = [bool(chunk.pop("skip_update", False)) for chunk in trainer._buffered_inputs]
-        trainer._skip_update = buffer.get("skip_update", any(carried))
+        carried = [bool(chunk.pop("skip_update", False)) for chunk in buffer["buffered_inputs"]]
+        buffer["skip_update"] = buffer.get("skip_update", any(carried))
+        state.buffer = buffer
     overlap_path = checkpoint / OVERLAP_FILE.format(rank=rank)
-    overlap = getattr(trainer, "_overlap", None)
-    if overlap_path.exists() and overlap is not None:  # without max_staleness the generation plays again, now
-        overlap.load_state_dict(_load_tensors(overlap_path, trainer.accelerator.device))
+    if overlap_path.exists():
+        state.prefetched = _load_tensors(overlap_path, device)
+    return state
 
 
 def _load_tensors(path: Path, device: torch.device) -> Any:

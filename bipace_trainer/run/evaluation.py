@@ -5,10 +5,11 @@
 
 Every rank plays its share of the split's tasks (`RolloutCollector.eval_task_refs`:
 `eval_tasks` of them, stratified over task types, each `eval_rollouts_per_task` times) at
-`eval_temperature`, through the trainer's rollout collector (its public interface only). The result (success rate overall and per
+`eval_temperature`, through a rollout collector and its policy (`play_evaluation`: the trainer's,
+or a plain model's for `bipace-eval`). The result (success rate overall and per
 `report_key` value, episode length, valid-action rate, the env's score if it reports one)
-is logged, appended to `trainer.eval_history` and, by the main process, written to
-`<output_dir>/eval_results.json`. `EvaluationCallback` runs it before training and every
+is logged by the trainer, appended to `trainer.eval_history` and, by the main process, written to
+`<output_dir>/eval_results.json` (`write_history`). `EvaluationCallback` runs it before training and every
 `eval_interval` steps, `FinalEvaluationCallback` once training ends.
 """
 
@@ -26,19 +27,19 @@ from transformers import TrainerCallback
 from ..rollout.loop import Episode
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from torch import nn
-    from transformers import TrainerState
 
     from ..rollout.collector import RolloutCollector
     from ..rollout.loop import TaskRef
 
 __all__ = [
     "EVAL_FILE",
-    "EvaluatedTrainer",
     "Evaluates",
-    "evaluate_policy",
+    "play_evaluation",
     "evaluation_settings",
+    "logged_values",
+    "keep_result",
+    "write_history",
     "summarise_evaluation",
     "EvaluationCallback",
     "FinalEvaluationCallback",
@@ -90,23 +91,6 @@ def summarise_evaluation(records: list[dict[str, Any]], report_key: str | None) 
     return result
 
 
-class EvaluatedTrainer(Protocol):
-    """What `evaluate_policy` reads and writes on the trainer (TRL's Trainer plus the run's collector
-    and history), and nothing else."""
-
-    args: Any  # BiPACEConfig's eval_temperature, output_dir
-    accelerator: Accelerator
-    model: nn.Module  # put in eval mode while it plays, then back
-    state: TrainerState  # the result's step
-    collector: RolloutCollector  # plays and records the episodes
-    eval_history: list[dict[str, Any]]  # the result is appended, the whole written to EVAL_FILE
-    _metrics: dict[str, Any]  # TRL's: a non-final result joins the next training log
-
-    def eval_task_refs(self, split: str) -> list[TaskRef]: ...  # a subclass may play other tasks
-
-    def log(self, logs: dict[str, float]) -> None: ...  # a final result is logged at once
-
-
 class Evaluates(Protocol):
     """What the evaluation callbacks call: the trainer's `evaluate_policy`, skipped once interrupted."""
 
@@ -116,46 +100,65 @@ class Evaluates(Protocol):
 
 
 @torch.no_grad()
-def evaluate_policy(trainer: EvaluatedTrainer, tag: str, split: str) -> dict[str, Any]:
-    """Play `split`'s evaluation tasks with `trainer`'s policy; see the module docstring.
-
-    `tag` names the occasion ("before", "interval", "final", or the caller's): a "final"
-    result is logged at once (the run is ending), the others with the next training log.
-    """
-    args, accelerator = trainer.args, trainer.accelerator
+def play_evaluation(
+    collector: RolloutCollector, tasks: list[TaskRef], *, temperature: float, step: int, tag: str, split: str,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Play `tasks` (every rank its share) with `collector`'s policy at `temperature`; the summary over
+    ranks (`summarise_evaluation`) with the result's `step`, `tag`, `split` and `seconds`, or {} when
+    there are no tasks. `model` (the trainer's) is put in eval mode while it plays, then back.
+    Every rank must call it. No trainer: `bipace-eval` calls it with a plain model's policy."""
+    accelerator = collector.accelerator
     world, rank = accelerator.num_processes, accelerator.process_index
-    collector = trainer.collector
-    # through the trainer's method, so that a subclass can play other tasks (bipace-eval's panels)
-    tasks = trainer.eval_task_refs(split)
     if not tasks:  # TRL's envs without an eval_dataset: nothing to evaluate on
         return {}
     shard = tasks[rank::world]
-    was_training = trainer.model.training
-    trainer.model.eval()
+    model = model if model is not None else collector.policy.module
+    was_training = model.training
+    model.eval()
     start = time.perf_counter()
     try:
-        with collector.sampling_temperature(args.eval_temperature):
+        with collector.sampling_temperature(temperature):
             rollout = collector.collect("eval", shard, traj_offset=rank * -(-len(tasks) // world))  # ids unique across ranks
     finally:
-        trainer.model.train(was_training)
+        model.train(was_training)
     records = [episode_record(e, collector.source.reports_score) for e in rollout.episodes[: len(shard)]]
-    collector.record(rollout, tag=tag)
+    collector.record(rollout, tag=tag, step=step)
     records = gather_object(records) if world > 1 else records
     result = summarise_evaluation(records, collector.source.report_key)
-    result.update(step=trainer.state.global_step, tag=tag, split=split, seconds=time.perf_counter() - start)
-    result["settings"] = evaluation_settings(args)  # so `bipace-eval OUTPUT_DIR` plays it again as it was played
-    trainer.eval_history.append(result)
-    logs = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k not in ("step",)}
-    if tag == "final":
-        trainer.log(logs)
+    result.update(step=step, tag=tag, split=split, seconds=time.perf_counter() - start)
+    result["settings"] = evaluation_settings(collector.args)  # so `bipace-eval OUTPUT_DIR` plays it again as it was played
+    return result
+
+
+def logged_values(result: dict[str, Any]) -> dict[str, float]:
+    """What an evaluation logs: each number of `result` but its step, as `eval/<name>`."""
+    return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k not in ("step",)}
+
+
+def keep_result(
+    result: dict[str, Any], history: list[dict[str, Any]], *, log_now, log_later: dict[str, list[float]],
+    output_dir: str | Path | None,
+) -> None:
+    """Append `result` to the run's `history` and log it: a "final" result at once (`log_now`, the run is
+    ending), the others with the next training log (appended to TRL's metric buffers, `log_later`). With
+    `output_dir` (the main process) the whole history is written there (`write_history`)."""
+    history.append(result)
+    logs = logged_values(result)
+    if result.get("tag") == "final":
+        log_now(logs)
     else:
         for key, value in logs.items():
-            trainer._metrics["train"][key].append(float(value))
-    if accelerator.is_main_process:
-        path = Path(args.output_dir) / EVAL_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(trainer.eval_history, indent=2))
-    return result
+            log_later[key].append(float(value))
+    if output_dir is not None:
+        write_history(output_dir, history)
+
+
+def write_history(output_dir: str | Path, history: list[dict[str, Any]]) -> None:
+    """Every evaluation of the run so far, as `<output_dir>/eval_results.json` (main process only)."""
+    path = Path(output_dir) / EVAL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history, indent=2))
 
 
 class EvaluationCallback(TrainerCallback):

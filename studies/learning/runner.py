@@ -48,7 +48,7 @@ class StudyTrainer(BiPACETrainer):
             max_cluster_eps=self.args.max_cluster_eps,
         )
         self.probes = {
-            "hash": StepAdvantageEstimator(resolve_settings("bipace_q", partition="hash")),
+            "hash": StepAdvantageEstimator(resolve_settings("bipace_q", step_partition="hash")),
             "hidden": StepAdvantageEstimator(resolve_settings("bipace_q", **eps)),
         }
         self.curve: list[dict[str, float]] = []

@@ -340,7 +340,7 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
     q_star = np.array([t.q_star for t in batch.truth])
     for preset in PRESETS:
         settings = resolve_settings(preset)
-        if settings.partition == "hidden" and pretrained is None:
+        if settings.step_partition == "hidden" and pretrained is None:
             continue
         estimate = estimate_advantages(plain, settings)
         out["estimators"][preset] = estimator_metrics(estimate, a_star, state_ids, group)
@@ -353,7 +353,7 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
         source = true_anchor if partition == "true" else plain
         for baseline in BASELINES:
             settings = resolve_settings(
-                "gigpo", partition="hidden" if partition == "hidden" else "hash", baseline=baseline, w_ep=0.0
+                "gigpo", step_partition="hidden" if partition == "hidden" else "hash", step_baseline=baseline, w_ep=0.0
             )
             estimate = estimate_advantages(source, settings)
             out["axes"][f"{partition}/{baseline}"] = estimator_metrics(estimate, a_star, state_ids, group)
@@ -373,7 +373,7 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
         source = true_anchor if partition == "true" else plain
         for name, level_baseline in HIERARCHY_LEVEL_BASELINES.items():
             settings = resolve_settings(
-                "hgpo", partition="hidden" if partition == "hidden" else "hash", level_baseline=level_baseline,
+                "hgpo", step_partition="hidden" if partition == "hidden" else "hash", level_baseline=level_baseline,
                 context_levels=CONTEXT_LEVELS,
             )  # fmt: skip
             estimate = estimate_advantages(source, settings)

@@ -142,7 +142,7 @@ def _spearman(advantage: torch.Tensor, a_star: np.ndarray) -> float:
 def _over_cells(batch, cells: np.ndarray, settings) -> torch.Tensor:
     """The advantage of `settings` with its partition replaced by `cells` (an exact anchor per cell)."""
     anchored = step_batch(batch, anchor=[f"cell {c}" for c in cells])
-    return estimate_advantages(anchored, dataclasses.replace(settings, partition="hash")).advantage
+    return estimate_advantages(anchored, dataclasses.replace(settings, step_partition="hash")).advantage
 
 
 @dataclass(frozen=True)

@@ -239,15 +239,15 @@ def advantages(steps, settings, eps=None):
     for other partitions).
     """
     s = settings
-    ep = episode_advantage(steps, s.norm, s.episode_stats, s.invalid_penalty)
-    if s.partition == "none" or s.w_step == 0:
+    ep = episode_advantage(steps, s.advantage_norm, s.episode_stats, s.invalid_action_penalty)
+    if s.step_partition == "none" or s.w_step == 0:
         return [s.w_ep * a for a in ep], math.inf
     margin = math.inf
-    if s.partition == "hash":
+    if s.step_partition == "hash":
         cells = hash_cells(steps)
     else:
         cells, margin = hidden_cells(steps, eps)
-    after = truncation_values(steps, cells, s.gamma) if getattr(s, "bootstrap_truncated", False) else {}
-    returns = step_returns(steps, s.gamma, s.invalid_penalty, after)
-    st = step_advantage(steps, cells, returns, s.baseline, s.norm, s.pace_norm, s.gamma, s.lam, s.invalid_penalty, after)
+    after = truncation_values(steps, cells, s.step_gamma) if getattr(s, "bootstrap_truncated", False) else {}
+    returns = step_returns(steps, s.step_gamma, s.invalid_action_penalty, after)
+    st = step_advantage(steps, cells, returns, s.step_baseline, s.advantage_norm, s.pace_norm, s.step_gamma, s.gae_lambda, s.invalid_action_penalty, after)
     return [s.w_ep * a + s.w_step * b for a, b in zip(ep, st)], margin

@@ -46,14 +46,14 @@ def test_matches_reference(
     partition, baseline, norm, steps, pace_norm, episode_stats, gamma, lam, penalty, weights, eps, bootstrap
 ):
     est = EstimatorSettings(
-        partition=partition,
-        baseline=baseline,
-        norm=norm,
+        step_partition=partition,
+        step_baseline=baseline,
+        advantage_norm=norm,
         pace_norm=pace_norm,
         episode_stats=episode_stats,
-        gamma=gamma,
-        lam=lam,
-        invalid_penalty=penalty,
+        step_gamma=gamma,
+        gae_lambda=lam,
+        invalid_action_penalty=penalty,
         w_ep=weights[0],
         w_step=weights[1],
         cluster_eps=eps,
@@ -67,7 +67,7 @@ def test_matches_reference(
 @given(steps=step_lists(), eps=st.sampled_from([0.0, 0.05, 0.1]))
 def test_presets_match_reference(preset, steps, eps):
     est = resolve_settings(preset, cluster_eps=eps)
-    check_against_reference(steps, est, eps if est.partition == "hidden" else None)
+    check_against_reference(steps, est, eps if est.step_partition == "hidden" else None)
 
 
 def _hidden_steps(trajectories):

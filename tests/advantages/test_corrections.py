@@ -45,7 +45,7 @@ def test_gagpo_penalty_reaches_only_the_invalid_step(lam, reward_last, preset):
     λ = 0.5, 0 at λ = 1); the invalid step is the one pushed down."""
     batch = two_copies(reward_last, second_valid=False)
     batch.hidden = torch.eye(2)[[0, 1, 0, 1]]  # bigagpo: the same two states, ε = 0
-    settings = resolve_settings(preset, lam=lam, gamma=0.95, invalid_penalty=0.1, cluster_eps=0.0)
+    settings = resolve_settings(preset, gae_lambda=lam, step_gamma=0.95, invalid_action_penalty=0.1, cluster_eps=0.0)
     advantage, _ = compute_advantages(batch, settings)
     assert advantage[0] == advantage[2]
     assert advantage[3] < advantage[1]
@@ -99,7 +99,7 @@ def test_truncated_trajectories_are_terminal_by_default():
     batch = cut_and_finished()
     plain = StepBatch(**{**batch.__dict__, "truncated": None})
     for preset in ("gigpo", "gagpo"):
-        settings = resolve_settings(preset, gamma=0.5)
+        settings = resolve_settings(preset, step_gamma=0.5)
         assert torch.equal(compute_advantages(batch, settings)[0], compute_advantages(plain, settings)[0])
         estimate = estimate_advantages(batch, settings)
         torch.testing.assert_close(estimate.step_return, torch.tensor([0.5, 1.0, 0.0, 0.0], dtype=torch.float64))
@@ -109,7 +109,7 @@ def test_bootstrap_truncated_continues_from_the_value_proxy():
     """Terminal returns R = [0.5, 1 | 0, 0]; cell b holds {1, 0}: V̄(b) = 0.5 stands in for
     the unobserved state after the cut, so traj 1's returns become
     R_1 = 0 + 0.5 · 0.5 = 0.25 and R_0 = 0.5 · 0.25 = 0.125."""
-    settings = resolve_settings("gigpo", gamma=0.5, norm="mean", bootstrap_truncated=True)
+    settings = resolve_settings("gigpo", step_gamma=0.5, advantage_norm="mean", bootstrap_truncated=True)
     estimate = estimate_advantages(cut_and_finished(), settings)
     torch.testing.assert_close(estimate.step_return, torch.tensor([0.5, 1.0, 0.125, 0.25], dtype=torch.float64))
     # A^ep still scores what the episodes got (1 and 0): ±0.5; the step term compares the bootstrapped returns
@@ -121,7 +121,7 @@ def test_bootstrap_truncated_gae_uses_the_bootstrap_as_the_value_after_the_cut()
     """GAE's δ of the cut step is r + γ R_L - V̄(s): with λ = 1 it telescopes to the
     bootstrapped return minus the cell mean of the bootstrapped returns."""
     batch = cut_and_finished()
-    settings = resolve_settings("gagpo", gamma=0.5, lam=1.0, bootstrap_truncated=True, invalid_penalty=0.0)
+    settings = resolve_settings("gagpo", step_gamma=0.5, gae_lambda=1.0, bootstrap_truncated=True, invalid_action_penalty=0.0)
     estimate = estimate_advantages(batch, settings)
     returns = estimate.step_return  # [0.5, 1, 0.125, 0.25]
     raw = returns - torch.tensor([0.3125, 0.625, 0.3125, 0.625], dtype=torch.float64)  # cells a and b

@@ -78,7 +78,7 @@ def advantage_from_terms(steps, terms, gamma, lam, w_step):
     eps=st.sampled_from([0.0, 0.1, 0.3]),
 )
 def test_terms_match_the_reference_and_redo_the_advantage(preset, steps, gamma, lam, penalty, w_step, bootstrap, eps):
-    est = resolve_settings(preset, gamma=gamma, lam=lam, invalid_penalty=penalty, w_step=w_step,
+    est = resolve_settings(preset, step_gamma=gamma, gae_lambda=lam, invalid_action_penalty=penalty, w_step=w_step,
                            bootstrap_truncated=bootstrap, cluster_eps=eps)  # fmt: skip
     advantage, _ = compute_advantages(to_batch(steps), est, cluster_eps=eps)
     estimate = estimate_advantages(to_batch(steps), est, cluster_eps=eps)

@@ -24,7 +24,7 @@ def both(rows, *, gamma=0.95, penalty=0.1, norm="mean_std", w=1.0, dtype=torch.f
     """(ours, reference) advantages for rows (group, traj, t, reward, valid, anchor) in trajectory order."""
     group, traj, t, reward, valid, anchor = (list(col) for col in zip(*rows))
     batch = StepBatch(group=group, traj=traj, t=t, reward=reward, valid=valid, anchor=anchor, action_key=anchor)
-    est = resolve_settings("gigpo", episode_stats="steps", norm=norm, gamma=gamma, invalid_penalty=penalty, w_step=w)
+    est = resolve_settings("gigpo", episode_stats="steps", advantage_norm=norm, step_gamma=gamma, invalid_action_penalty=penalty, w_step=w)
     ours = compute_advantages(batch, est)[0]
     ref = gigpo_advantages(
         group, traj, reward, valid, anchor, gamma=gamma, penalty_coef=penalty, mode=MODES[norm], w=w, dtype=dtype

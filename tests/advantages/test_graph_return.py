@@ -79,7 +79,7 @@ def test_graph_return_matches_a_search_by_hand(steps, partition, gamma, normaliz
     return of every step, in any row order, is the hand search's, to float64 rounding."""
     batch = to_batch(steps)
     preset = "graphgpo" if partition == "hash" else "bigraphgpo"
-    s = resolve_settings(preset, gamma=gamma, normalize_distance=normalize_distance, invalid_penalty=0.0)
+    s = resolve_settings(preset, step_gamma=gamma, normalize_distance=normalize_distance, invalid_action_penalty=0.0)
     est = estimate_advantages(batch, s, cluster_eps=0.1)
     slow = slow_graph_returns(
         batch.group.tolist(), batch.traj.tolist(), batch.t.tolist(), est.cell.tolist(), batch.reward.tolist(),
@@ -140,17 +140,17 @@ def test_graph_return_is_linear_in_a_long_chain():
     without a per-node Python loop: its distances are exact."""
     n = 20_000
     batch = StepBatch(group=[0] * n, traj=[0] * n, t=list(range(n)), reward=[0.0] * (n - 1) + [1.0], anchor=list(range(n)))
-    est = estimate_advantages(batch, resolve_settings("graphgpo", gamma=1.0))
+    est = estimate_advantages(batch, resolve_settings("graphgpo", step_gamma=1.0))
     assert est.graph.distance[est.graph.node].tolist() == [float(n - i) for i in range(n)]
 
 
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        (dict(step_return="graph", baseline="gae"), "step_return"),
+        (dict(step_return="graph", step_baseline="gae"), "step_return"),
         (dict(step_return="graph", bootstrap_truncated=True), "bootstrap_truncated"),
         (dict(similarity_merge=True), "similarity_merge"),  # the discounted return
-        (dict(step_return="graph", similarity_merge=True, partition="hidden"), "similarity_merge"),
+        (dict(step_return="graph", similarity_merge=True, step_partition="hidden"), "similarity_merge"),
         (dict(step_return="graph", similarity_threshold=1.5), "similarity_threshold"),
         (dict(step_return="distance"), "step_return"),
     ],
@@ -168,11 +168,11 @@ def test_graph_needs_a_partition_with_cells():
 
 def test_presets_have_the_reference_defaults():
     s = resolve_settings("graphgpo")
-    assert (s.partition, s.baseline, s.step_return, s.gamma, s.w_ep, s.w_step, s.norm) == (
+    assert (s.step_partition, s.step_baseline, s.step_return, s.step_gamma, s.w_ep, s.w_step, s.advantage_norm) == (
         "hash", "mean", "graph", 0.1, 1.0, 1.0, "mean_std"
     )
     assert (s.normalize_distance, s.similarity_merge, s.similarity_threshold) == (False, False, 0.95)
-    assert resolve_settings("bigraphgpo").partition == "hidden"
+    assert resolve_settings("bigraphgpo").step_partition == "hidden"
 
 
 def test_config_flags_reach_the_settings(tmp_path):
@@ -181,7 +181,7 @@ def test_config_flags_reach_the_settings(tmp_path):
         similarity_threshold=0.9, step_gamma=0.2,
     )  # fmt: skip
     s = config.estimator
-    assert (s.step_return, s.normalize_distance, s.similarity_merge, s.similarity_threshold, s.gamma) == (
+    assert (s.step_return, s.normalize_distance, s.similarity_merge, s.similarity_threshold, s.step_gamma) == (
         "graph", True, True, 0.9, 0.2
     )
     with pytest.raises(ValueError, match="similarity_merge"):
@@ -203,14 +203,14 @@ def test_auto_eps_is_calibrated_once_per_batch(monkeypatch):
         steps = [dict(group=0, traj=j, t=0, reward=float(j % 2), valid=True, anchor="a", key="k",
                       hidden=[1.0, 0.1 * j, 0.0]) for j in range(6)]  # fmt: skip
         batch = to_batch(steps)
-        first = compute_advantages(batch, resolve_settings("bigpo", partition="counting_hidden"))[1]
+        first = compute_advantages(batch, resolve_settings("bigpo", step_partition="counting_hidden"))[1]
         calibration_builds = len(builds) - 1
         assert calibration_builds > 5  # a bisection
-        second = compute_advantages(batch, resolve_settings("bipace_q", partition="counting_hidden"))[1]
+        second = compute_advantages(batch, resolve_settings("bipace_q", step_partition="counting_hidden"))[1]
         assert len(builds) == calibration_builds + 2  # one build each, no second calibration
         assert first["estimator/cluster_eps"] == second["estimator/cluster_eps"]
         fresh = to_batch(steps)
-        compute_advantages(fresh, resolve_settings("bigpo", partition="counting_hidden"))
+        compute_advantages(fresh, resolve_settings("bigpo", step_partition="counting_hidden"))
         assert len(builds) == 2 * calibration_builds + 3  # a new batch object calibrates afresh
     finally:
         PARTITIONS.pop("counting_hidden")

@@ -66,7 +66,7 @@ def both(
         group=group, traj=traj, t=t, reward=reward, valid=valid, anchor=anchor, next_anchor=nxt if next_anchor else None
     )
     est = resolve_settings(
-        "graphgpo", episode_stats="steps", norm=norm, gamma=gamma, invalid_penalty=penalty, w_ep=w_ep,
+        "graphgpo", episode_stats="steps", advantage_norm=norm, step_gamma=gamma, invalid_action_penalty=penalty, w_ep=w_ep,
         normalize_distance=normalize_distance, similarity_merge=merge, similarity_threshold=threshold,
     )  # fmt: skip
     ours = compute_advantages(batch, est)[0]

@@ -83,8 +83,8 @@ def test_k0_in_mean_mode_is_gigpos_step_term(steps, gamma):
     """K = 0: one level, the anchor cell; without the std the level advantage is GiGPO's
     step term, scaled by w/(w + 1e-6) (the code's weight normalisation)."""
     batch = to_batch(steps)
-    hgpo = compute_advantages(batch, resolve_settings("hgpo", context_levels=0, norm="mean", gamma=gamma))[0]
-    gigpo = compute_advantages(batch, resolve_settings("gigpo", w_ep=0.0, norm="mean", gamma=gamma))[0]
+    hgpo = compute_advantages(batch, resolve_settings("hgpo", context_levels=0, advantage_norm="mean", step_gamma=gamma))[0]
+    gigpo = compute_advantages(batch, resolve_settings("gigpo", w_ep=0.0, advantage_norm="mean", step_gamma=gamma))[0]
     torch.testing.assert_close(hgpo, gigpo * (2 / (2 + 1e-6)), atol=1e-6, rtol=1e-6)
 
 
@@ -106,7 +106,7 @@ def test_revisiting_a_state_pools_the_trajectorys_own_steps():
     """Trajectory 0 sees "a" at t = 0 and t = 2: both steps share the level-0 cell with
     trajectory 1's "a", and at level 1 its ("b","a") has no partner."""
     batch = rows_batch([("aba", 1.0), ("ac", 0.0)])
-    est = estimate_advantages(batch, resolve_settings("hgpo", norm="mean", gamma=0.5))
+    est = estimate_advantages(batch, resolve_settings("hgpo", advantage_norm="mean", step_gamma=0.5))
     cell = est.levels.cell
     assert cell[0, 0] == cell[2, 0] == cell[3, 0]  # "a" three times, two of them trajectory 0's
     assert est.levels.size[0, 0] == 3 and est.levels.size[2, 1] == 1  # ("b","a") alone
@@ -120,7 +120,7 @@ def test_all_singleton_levels_give_zero_or_the_episode_item():
     batch = rows_batch([("ab", 1.0), ("cd", 0.0)])
     plain = compute_advantages(batch, resolve_settings("hgpo"))[0]
     assert (plain == 0).all()
-    with_base = estimate_advantages(batch, resolve_settings("hgpo", base_group=True, norm="mean"))
+    with_base = estimate_advantages(batch, resolve_settings("hgpo", base_group=True, advantage_norm="mean"))
     episode = torch.tensor([0.5, 0.5, -0.5, -0.5])  # R^ep (1, 0) minus the group mean, per trajectory
     torch.testing.assert_close(with_base.advantage, (episode / (1 + 1e-6)).float())
     assert with_base.diagnostics["hierarchy/no_level_frac"] == 1.0
@@ -128,7 +128,7 @@ def test_all_singleton_levels_give_zero_or_the_episode_item():
 
 def test_steps_before_t_equals_k_have_only_their_levels():
     batch = rows_batch([("aaa", 1.0), ("aaa", 0.0)])
-    est = estimate_advantages(batch, resolve_settings("hgpo", context_levels=4, norm="mean"))
+    est = estimate_advantages(batch, resolve_settings("hgpo", context_levels=4, advantage_norm="mean"))
     reach = [0, 1, 2, 0, 1, 2]
     for i, r in enumerate(reach):
         assert (est.levels.cell[i, : r + 1] >= 0).all() and (est.levels.cell[i, r + 1 :] == -1).all()
@@ -145,7 +145,7 @@ def test_alpha_zero_weighs_levels_equally_and_alpha_two_favours_depth():
     batch = rows_batch([("aaa", 1.0), ("aaa", 0.0)])
     a = [1.0 - (0.9025 + 0.95 + 1.0) / 6, 1.0 - (0.95 + 1.0) / 4, 0.5]
     for alpha, weights in ((0.0, [1, 1, 1]), (2.0, [4, 9, 16])):
-        adv = compute_advantages(batch, resolve_settings("hgpo", norm="mean", level_alpha=alpha))[0]
+        adv = compute_advantages(batch, resolve_settings("hgpo", advantage_norm="mean", level_alpha=alpha))[0]
         expected = sum(w * x for w, x in zip(weights, a)) / (sum(weights) + 1e-6)
         assert adv[2].item() == pytest.approx(expected, abs=1e-6)
 
@@ -161,8 +161,8 @@ def test_bihgpo_at_eps0_on_one_hot_states_is_hgpo(steps, norm):
     the anchors, so every level (the sequence of clusters) is HGPO's."""
     batch = to_batch(steps)
     batch.hidden = one_hot(batch)
-    hgpo = compute_advantages(batch, resolve_settings("hgpo", norm=norm))[0]
-    bihgpo = compute_advantages(batch, resolve_settings("bihgpo", norm=norm, cluster_eps=0.0))[0]
+    hgpo = compute_advantages(batch, resolve_settings("hgpo", advantage_norm=norm))[0]
+    bihgpo = compute_advantages(batch, resolve_settings("bihgpo", advantage_norm=norm, cluster_eps=0.0))[0]
     torch.testing.assert_close(hgpo, bihgpo, atol=0, rtol=0)
 
 
@@ -173,7 +173,7 @@ def test_bihpace_q_applies_pace_q_on_every_level():
         anchor=["s", "x", "s", "x", "s", "x"], action_key=["go", "stop", "go", "wait", "go", "stop"],
     )  # fmt: skip
     batch.hidden = one_hot(batch)
-    est = estimate_advantages(batch, resolve_settings("bihpace_q", cluster_eps=0.0, gamma=1.0))
+    est = estimate_advantages(batch, resolve_settings("bihpace_q", cluster_eps=0.0, step_gamma=1.0))
     # at "x" (t = 1) levels 0 and 1 hold the same three steps: Q̂(stop) = 1, Q̂(wait) = 0, V̂ = 2/3
     assert est.levels.advantage[1, 0].item() == pytest.approx(1 / 3)
     assert est.levels.advantage[1, 1].item() == pytest.approx(1 / 3)
@@ -186,9 +186,9 @@ def test_bihpace_q_applies_pace_q_on_every_level():
 def test_a_one_level_baseline_over_context_levels_uses_the_deepest_cells():
     """gigpo with context_levels = 2: the cells are the steps whose whole 2-step context agrees."""
     batch = rows_batch([("abc", 1.0), ("xbc", 0.0), ("abc", 0.0)])
-    est = estimate_advantages(batch, resolve_settings("gigpo", context_levels=2, w_ep=0.0, norm="mean"))
+    est = estimate_advantages(batch, resolve_settings("gigpo", context_levels=2, w_ep=0.0, advantage_norm="mean"))
     assert est.cell[2] != est.cell[5] and est.cell[2] == est.cell[8]  # ("x","b","c") apart from ("a","b","c")
-    flat = estimate_advantages(batch, resolve_settings("gigpo", w_ep=0.0, norm="mean"))
+    flat = estimate_advantages(batch, resolve_settings("gigpo", w_ep=0.0, advantage_norm="mean"))
     assert flat.cell[2] == flat.cell[5] == flat.cell[8]
 
 
@@ -226,9 +226,9 @@ def test_bad_hierarchy_settings_name_the_field(overrides, field):
 
 def test_presets_are_the_spec_table():
     hgpo = resolve_settings("hgpo")
-    assert (hgpo.partition, hgpo.baseline, hgpo.context_levels, hgpo.w_ep) == ("hash", "hierarchy", 2, 0.0)
+    assert (hgpo.step_partition, hgpo.step_baseline, hgpo.context_levels, hgpo.w_ep) == ("hash", "hierarchy", 2, 0.0)
     assert (hgpo.level_weights, hgpo.drop_zero_levels, hgpo.base_group, hgpo.level_alpha) == ("k+2", True, False, 1.0)
-    assert resolve_settings("bihgpo").partition == "hidden" and resolve_settings("bihgpo").rollout_needs == {"hidden"}
+    assert resolve_settings("bihgpo").step_partition == "hidden" and resolve_settings("bihgpo").rollout_needs == {"hidden"}
     assert resolve_settings("bihpace_q").level_baseline == "pace_q"
 
 

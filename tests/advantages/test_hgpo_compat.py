@@ -31,8 +31,8 @@ def both(
     group, traj, t, reward, valid, anchor = (list(col) for col in zip(*rows))
     batch = StepBatch(group=group, traj=traj, t=t, reward=reward, valid=valid, anchor=anchor)
     est = resolve_settings(
-        "hgpo", episode_stats="steps", norm=norm, context_levels=levels, level_alpha=alpha, base_group=base_group,
-        gamma=gamma, invalid_penalty=penalty,
+        "hgpo", episode_stats="steps", advantage_norm=norm, context_levels=levels, level_alpha=alpha, base_group=base_group,
+        step_gamma=gamma, invalid_action_penalty=penalty,
     )  # fmt: skip
     ours = compute_advantages(batch, est)[0]
     ref = hgpo_advantages(
@@ -89,7 +89,7 @@ def test_weights_are_k_plus_2_and_zero_levels_leave_the_mean():
     assert ours[1].item() == pytest.approx(0.5 * 5 / (5 + 1e-6), abs=1e-7)
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
     # the paper's weights change nothing when all surviving levels agree ...
-    paper = resolve_settings("hgpo", norm="mean", level_weights="k+1", drop_zero_levels=False)
+    paper = resolve_settings("hgpo", advantage_norm="mean", level_weights="k+1", drop_zero_levels=False)
     batch = StepBatch(*(list(c) for c in zip(*[(g, tr, t, r) for g, tr, t, r, _, _ in rows])), anchor=["a", "b", "a", "b"])
     assert compute_advantages(batch, paper)[0][1].item() == pytest.approx(0.5, abs=1e-6)
 
@@ -99,8 +99,8 @@ def test_paper_setting_keeps_zero_levels_in_the_mean():
     while level 0 ("b") also holds trajectory 2's: the code drops a_1, the paper averages it in."""
     rows = rows_of([("ab", 1.0), ("ab", 1.0), ("cb", 0.0)])
     batch = StepBatch(*(list(c) for c in zip(*[(g, tr, t, r) for g, tr, t, r, _, _ in rows])), anchor=[r[5] for r in rows])
-    code = compute_advantages(batch, resolve_settings("hgpo", norm="mean"))[0]
-    paper = compute_advantages(batch, resolve_settings("hgpo", norm="mean", level_weights="k+1", drop_zero_levels=False))[0]
+    code = compute_advantages(batch, resolve_settings("hgpo", advantage_norm="mean"))[0]
+    paper = compute_advantages(batch, resolve_settings("hgpo", advantage_norm="mean", level_weights="k+1", drop_zero_levels=False))[0]
     a0 = 1.0 - 2.0 / 3.0  # level 0 "b": returns (1, 1, 0)
     assert code[1].item() == pytest.approx(a0, abs=1e-6)  # level 1 dropped
     assert paper[1].item() == pytest.approx(1 * a0 / (1 + 2), abs=1e-6)  # w = (1, 2), a_1 = 0 kept

@@ -42,9 +42,9 @@ def test_hidden_eps0_on_one_hot_equals_hash(steps, baseline, norm):
     # Same partition up to cell numbering: a bijection between cell ids.
     pairs = set(zip(by_hash.cell.tolist(), by_hidden.cell.tolist()))
     assert len(pairs) == by_hash.num_cells == by_hidden.num_cells
-    hashed = compute_advantages(batch, EstimatorSettings(partition="hash", baseline=baseline, norm=norm))[0]
+    hashed = compute_advantages(batch, EstimatorSettings(step_partition="hash", step_baseline=baseline, advantage_norm=norm))[0]
     clustered = compute_advantages(
-        batch, EstimatorSettings(partition="hidden", baseline=baseline, norm=norm, cluster_eps=0.0)
+        batch, EstimatorSettings(step_partition="hidden", step_baseline=baseline, advantage_norm=norm, cluster_eps=0.0)
     )[0]
     torch.testing.assert_close(hashed, clustered, atol=0, rtol=0)
 
@@ -101,7 +101,7 @@ def test_invariant_to_permuting_task_groups(preset, steps, data):
 @given(steps=step_lists(num_anchors=8))
 def test_singleton_cells_get_zero_step_advantage(partition, baseline, steps):
     batch = to_batch(steps)
-    est = EstimatorSettings(partition=partition, baseline=baseline, w_ep=0.0, cluster_eps=0.05)
+    est = EstimatorSettings(step_partition=partition, step_baseline=baseline, w_ep=0.0, cluster_eps=0.05)
     advantage = compute_advantages(batch, est)[0]
     layout = BatchLayout.from_batch(batch)
     cells = hash_partition(batch.anchor, layout) if partition == "hash" else hidden_partition(batch.hidden, layout, 0.05)
@@ -121,7 +121,7 @@ def test_hand_computed_gigpo_case():
         group=[0, 0, 0], traj=[0, 0, 1], t=[0, 1, 0], reward=[0.0, 1.0, 0.0], anchor=["s0", "s1", "s0"],
         action_key=["a", "b", "c"],
     )
-    est = resolve_settings("gigpo", gamma=0.5)
+    est = resolve_settings("gigpo", step_gamma=0.5)
     got = compute_advantages(batch, est)[0]
     ep = 0.5 / (0.5**0.5 + 1e-6)
     step = 0.25 / (0.125**0.5 + 1e-6)
@@ -138,8 +138,8 @@ def test_hand_computed_pace_case():
         group=[0] * 4, traj=[0, 1, 2, 3], t=[0] * 4, reward=[1.0, 0.0, 1.0, 1.0], anchor=["s"] * 4,
         action_key=["a", "a", "b", "b"],
     )
-    pace_q = compute_advantages(batch, EstimatorSettings(partition="hash", baseline="pace_q", w_ep=0.0))[0]
-    pace_diff = compute_advantages(batch, EstimatorSettings(partition="hash", baseline="pace_diff", w_ep=0.0))[0]
+    pace_q = compute_advantages(batch, EstimatorSettings(step_partition="hash", step_baseline="pace_q", w_ep=0.0))[0]
+    pace_diff = compute_advantages(batch, EstimatorSettings(step_partition="hash", step_baseline="pace_diff", w_ep=0.0))[0]
     torch.testing.assert_close(pace_q, torch.tensor([-0.25, -0.25, 0.25, 0.25]))
     torch.testing.assert_close(pace_diff, torch.tensor([0.0, -1.0, 0.5, 0.5]))
 
@@ -181,7 +181,7 @@ def test_a_group_of_identical_trajectories_gets_exactly_zero(steps, preset, gamm
     """Nothing tells identical trajectories apart, so every step gets exactly 0, not a
     rounding residue: the trainer skips an update only when all advantages are 0."""
     batch = to_batch(steps)
-    settings_ = resolve_settings(preset, gamma=gamma, invalid_penalty=0.1, cluster_eps=0.0)
+    settings_ = resolve_settings(preset, step_gamma=gamma, invalid_action_penalty=0.1, cluster_eps=0.0)
     advantage, _ = compute_advantages(batch, settings_)
     copied = batch.group == 99  # integer group ids are kept as given
     assert copied.any() and (advantage[copied] == 0).all(), advantage[copied]

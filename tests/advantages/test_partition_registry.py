@@ -52,7 +52,7 @@ def test_built_in_partitions_state_what_they_read():
 def test_a_registered_partition_is_used_by_name(registered):
     register_partition("by_turn", lambda batch, layout, eps: Partition.from_labels(layout.group_index, batch.t))
     registered.append("by_turn")
-    settings = resolve_settings("gigpo", partition="by_turn", norm="mean", w_ep=0.0)
+    settings = resolve_settings("gigpo", step_partition="by_turn", advantage_norm="mean", w_ep=0.0)
     assert settings.rollout_needs == frozenset()
     advantage, diagnostics = compute_advantages(batch(), settings)
     # cells {t=0}, {t=1}, {t=2}; returns (γ = 0.95): [0.9025, 0.95, 1 | 0, 0, 0] → ± half of each
@@ -62,7 +62,7 @@ def test_a_registered_partition_is_used_by_name(registered):
 
 
 def test_a_partition_by_dotted_path():
-    settings = resolve_settings("gigpo", partition="tests.advantages.test_partition_registry:BY_TURN")
+    settings = resolve_settings("gigpo", step_partition="tests.advantages.test_partition_registry:BY_TURN")
     assert settings.partition_kind is BY_TURN
     assert compute_advantages(batch(), settings)[1]["estimator/num_cells"] == 3
 
@@ -78,7 +78,7 @@ def test_a_partition_that_takes_eps_is_calibrated_by_the_estimator(registered):
 
     register_partition("coarse", by_reward, takes_eps=True)
     registered.append("coarse")
-    estimator = StepAdvantageEstimator(resolve_settings("gigpo", partition="coarse", max_cluster_eps=1.0))
+    estimator = StepAdvantageEstimator(resolve_settings("gigpo", step_partition="coarse", max_cluster_eps=1.0))
     assert estimator.eps_in_use == 1.0  # before calibration: the fallback, max_cluster_eps
     _, diagnostics = estimator(batch())
     assert 0.5 <= estimator.cluster_eps < 0.51 and diagnostics["estimator/cluster_eps"] == estimator.cluster_eps
@@ -96,7 +96,7 @@ def test_a_missing_field_names_the_partition_and_the_field(registered):
     registered.append("by_key")
     no_keys = StepBatch(group=[0, 0], traj=[0, 1], t=[0, 0], reward=[0.0, 1.0])
     with pytest.raises(ValueError, match=r"partition='by_key' needs StepBatch.action_key"):
-        compute_advantages(no_keys, resolve_settings("gigpo", partition="by_key"))
+        compute_advantages(no_keys, resolve_settings("gigpo", step_partition="by_key"))
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ def test_a_missing_field_names_the_partition_and_the_field(registered):
 )
 def test_unknown_partitions_fail_when_the_settings_are_made(name, match):
     with pytest.raises(ValueError, match=match):
-        resolve_settings("gigpo", partition=name)
+        resolve_settings("gigpo", step_partition=name)
     with pytest.raises(ValueError, match=match):
         resolve_partition(name)
 

@@ -44,7 +44,7 @@ HYPOTHESIS_ROWS = (
     + [(3, 1006, t, 0.0, True, "obs-0") for t in range(5)]
     + [(3, 1006, 5, 1.0, False, "obs-1")]
 )
-HYPOTHESIS_SETTINGS = dict(norm="mean_std", gamma=0.9, invalid_penalty=0.1, w_step=1.0)
+HYPOTHESIS_SETTINGS = dict(advantage_norm="mean_std", step_gamma=0.9, invalid_action_penalty=0.1, w_step=1.0)
 
 
 def hypothesis_steps():
@@ -116,7 +116,8 @@ def cases():
             for k in torch.randperm(len(GRID), generator=pick)[:4].tolist():
                 gamma, penalty, norm, (w_ep, w_step), episode_stats, pace_norm, eps = GRID[k]
                 overrides = dict(
-                    gamma=gamma, invalid_penalty=penalty, norm=norm, episode_stats=episode_stats, pace_norm=pace_norm
+                    step_gamma=gamma, invalid_action_penalty=penalty, advantage_norm=norm, episode_stats=episode_stats,
+                    pace_norm=pace_norm,
                 )
                 if preset != "grpo":
                     overrides.update(w_ep=w_ep, w_step=w_step)
@@ -145,7 +146,7 @@ def test_the_cases_cover_what_they_should():
 @pytest.mark.parametrize("case_id,steps,preset,overrides,eps", CASES, ids=[c[0] for c in CASES])
 def test_preset_matches_reference(case_id, steps, preset, overrides, eps):
     settings = resolve_settings(preset, **overrides)
-    eps = eps if settings.partition == "hidden" else None
+    eps = eps if settings.step_partition == "hidden" else None
     expected, margin = reference.advantages(steps, settings, eps)
     if margin <= 1e-6:  # float32 cosine distances are good to ~1e-7
         pytest.skip("a join decision within float rounding of ε")
@@ -162,9 +163,9 @@ def test_preset_matches_reference(case_id, steps, preset, overrides, eps):
             [s["reward"] for s in rows],
             [s["valid"] for s in rows],
             [s["anchor"] for s in rows],
-            gamma=settings.gamma,
-            penalty_coef=settings.invalid_penalty,
-            mode={"mean_std": "mean_std_norm", "mean": "mean_norm"}[settings.norm],
+            gamma=settings.step_gamma,
+            penalty_coef=settings.invalid_action_penalty,
+            mode={"mean_std": "mean_std_norm", "mean": "mean_norm"}[settings.advantage_norm],
             w=settings.w_step,
             dtype=torch.float64,
         )
@@ -175,6 +176,6 @@ def test_few_cases_are_skipped():
     skipped = 0
     for _, steps, preset, overrides, eps in CASES:
         settings = resolve_settings(preset, **overrides)
-        if settings.partition == "hidden" and settings.w_step:
+        if settings.step_partition == "hidden" and settings.w_step:
             skipped += reference.hidden_cells(steps, eps)[1] <= 1e-6
     assert skipped <= len(CASES) // 10

@@ -31,13 +31,13 @@ PRESET_TABLE = {  # docs/concepts/math.md#presets: partition, baseline, w_ep, im
 @pytest.mark.parametrize("name", sorted(PRESET_TABLE))
 def test_presets_follow_the_spec_table(name):
     s = resolve_settings(name)
-    assert (s.partition, s.baseline, s.w_ep, s.importance_sampling_level) == PRESET_TABLE[name]
-    assert s.gamma == 0.95 and s.invalid_penalty == 0.1
+    assert (s.step_partition, s.step_baseline, s.w_ep, s.importance_sampling_level) == PRESET_TABLE[name]
+    assert s.step_gamma == 0.95 and s.invalid_action_penalty == 0.1
 
 
 def test_every_axis_stays_settable():
-    s = resolve_settings("gigpo", norm="mean", w_step=0.8)
-    assert (s.partition, s.baseline, s.norm, s.w_step) == ("hash", "mean", "mean", 0.8)
+    s = resolve_settings("gigpo", advantage_norm="mean", w_step=0.8)
+    assert (s.step_partition, s.step_baseline, s.advantage_norm, s.w_step) == ("hash", "mean", "mean", 0.8)
 
 
 @pytest.mark.parametrize(
@@ -62,11 +62,11 @@ def test_bad_settings_name_the_field(kwargs, field):
 
 
 def test_register_preset_validates_and_adds():
-    register_preset("gigpo_no_std", partition="hash", baseline="mean", norm="mean")
+    register_preset("gigpo_no_std", step_partition="hash", step_baseline="mean", advantage_norm="mean")
     try:
-        assert resolve_settings("gigpo_no_std").norm == "mean"
+        assert resolve_settings("gigpo_no_std").advantage_norm == "mean"
         with pytest.raises(ValueError, match="unknown fields"):
-            register_preset("broken", partition="hash", colour="red")
+            register_preset("broken", step_partition="hash", colour="red")
     finally:
         PRESETS.pop("gigpo_no_std")
 
@@ -116,7 +116,7 @@ def test_estimator_calibrates_once_then_holds_eps_and_restores_it():
 
 
 def test_estimator_recalibrates_every_k_calls():
-    estimator = StepAdvantageEstimator(resolve_settings("bipace_q", recalibrate_every=2))
+    estimator = StepAdvantageEstimator(resolve_settings("bipace_q", recalibrate_eps_every=2))
     estimator(clustered_batch(noise=0.05))
     low_noise = estimator.cluster_eps
     estimator(clustered_batch(noise=0.5))

@@ -33,7 +33,7 @@ RETURNS = [0.95, 1.0, 0.0, -0.1, 0.0, 0.0]
 
 
 def test_pace_steps_carry_return_cell_and_branch():
-    settings = resolve_settings("bipace_q", partition="hash")
+    settings = resolve_settings("bipace_q", step_partition="hash")
     estimate = estimate_advantages(StepBatch(**BATCH), settings)
     torch.testing.assert_close(estimate.step_return, torch.tensor(RETURNS, dtype=torch.float64))
     cell = estimate.cell.tolist()
@@ -45,7 +45,7 @@ def test_pace_steps_carry_return_cell_and_branch():
 
 @pytest.mark.parametrize("preset", ["grpo", "gigpo", "bipace_q", "gagpo"])
 def test_advantages_are_bit_identical_to_compute_advantages(preset):
-    overrides = {"partition": "hash"} if preset == "bipace_q" else {}
+    overrides = {"step_partition": "hash"} if preset == "bipace_q" else {}
     settings = resolve_settings(preset, **overrides)
     advantage, diagnostics = compute_advantages(StepBatch(**BATCH), settings)
     estimate = estimate_advantages(StepBatch(**BATCH), settings)

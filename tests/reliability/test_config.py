@@ -28,10 +28,10 @@ class NotAnEnv:
         (dict(train_tasks=-1), "train_tasks", ">= 0"),
         (dict(tasks_per_iteration=3, num_generations=2, per_device_train_batch_size=4), "generation_batch_size",
          "per_device_train_batch_size"),
-        (dict(preset="grpo", step_baseline="mean"), "baseline", "partition='hash' or 'hidden'"),
-        (dict(preset="gigpo", step_partition="none"), "baseline", "baseline=None"),
-        (dict(step_gamma=1.5), "gamma", r"\[0, 1\]"),
-        (dict(invalid_action_penalty=-1.0), "invalid_penalty", ">= 0"),
+        (dict(preset="grpo", step_baseline="mean"), "step_baseline", "step_partition='hash' or 'hidden'"),
+        (dict(preset="gigpo", step_partition="none"), "step_baseline", "step_baseline=None"),
+        (dict(step_gamma=1.5), "step_gamma", r"\[0, 1\]"),
+        (dict(invalid_action_penalty=-1.0), "invalid_action_penalty", ">= 0"),
         (dict(env_name="no-such-env"), "env_name", "register_env"),
         (dict(env_name="tiny", eval_split="test"), "eval_split", "one of"),
         (dict(env_kwargs="{size: 4}"), "env_kwargs", "JSON"),
@@ -62,18 +62,29 @@ def test_a_missing_optional_dependency_fails_at_start(monkeypatch):
         BiPACEConfig(**{**BASE, "env_name": "textcraft"})
 
 
-@pytest.mark.parametrize("layer,ok", [(-3, True), (-1, True), (0, True), (2, True), (3, False), (-4, False), (-8, False)])
-def test_cluster_layer_is_checked_from_the_model_config_alone(layer, ok, tmp_path):
-    """train.py checks the layer against the model's config before loading any weights."""
+@pytest.mark.parametrize("layer,resolved", [(-3, -3), (-1, -1), (0, 0), (2, 2), (3, None), (9, None), (-4, -2), (-8, -2)])
+def test_cluster_layer_is_resolved_from_the_model_config_alone_by_the_trainers_rule(layer, resolved, tmp_path):
+    """train.py resolves the layer against the model's config before loading any weights, by the rule
+    the trainer applies (`hidden.resolve_cluster_layer`): a negative index past the depth stops at the
+    first decoder layer with a warning (the default -8 fits any model), a positive one is an error."""
+    import warnings
+
     from tests.trainer.tiny_setup import make_model, make_tokenizer
 
     make_model(make_tokenizer(), layers=2).config.save_pretrained(tmp_path)  # a config, no weights
     config = BiPACEConfig(**{**BASE, "cluster_layer": layer})
-    if ok:
-        train.check_cluster_layer(str(tmp_path), config)
-    else:
+    if resolved is None:
         with pytest.raises(ValueError, match=rf"cluster_layer={layer} is out of range .* use -3..2"):
             train.check_cluster_layer(str(tmp_path), config)
+    elif resolved != layer:
+        with pytest.warns(UserWarning, match=rf"cluster_layer={layer} is out of range .* using cluster_layer={resolved}"):
+            train.check_cluster_layer(str(tmp_path), config)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train.check_cluster_layer(str(tmp_path), config)
+    if resolved is not None:
+        assert config.cluster_layer == resolved  # what the trainer then finds in range and keeps
 
 
 @pytest.mark.parametrize("value,resolved", [("true", True), ("True", True), ("false", None), ("out/checkpoint-4", "out/checkpoint-4")])

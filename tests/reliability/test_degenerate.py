@@ -39,7 +39,7 @@ def test_every_step_a_singleton_gives_no_step_term(preset):
     settings = resolve_settings(preset, cluster_eps=0.0, w_ep=0.0 if preset not in ("grpo",) else 1.0)
     advantages, diagnostics = compute_advantages(batch(rows), settings)
     assert torch.isfinite(advantages).all()
-    if settings.partition != "none":
+    if settings.step_partition != "none":
         assert diagnostics["estimator/singleton_rate"] == 1.0
         assert (advantages == 0).all()
 

@@ -114,12 +114,12 @@ def hold_rollouts_until_allreduce() -> None:
         self.held = True
         refresh(self, step, seed)
 
-    def held_generate(self, prompt_ids):
+    def held_generate(self, prompt_ids, *args, **kwargs):
         if getattr(self, "held", False):
             if not ALLREDUCED.wait(timeout=60):
                 raise TimeoutError("the update beside this background rollout never all-reduced its gradients")
             self.held = False
-        return generate(self, prompt_ids)
+        return generate(self, prompt_ids, *args, **kwargs)
 
     SnapshotPolicy.refresh, SnapshotPolicy.generate = held_refresh, held_generate
 

@@ -115,9 +115,10 @@ def test_per_rank_files_load_on_a_multi_process_cpu_device(tmp_path):
                tmp_path / BUFFER_FILE.format(rank=rank))
     torch.save({"rows": [{"task_id": 3}], "rollout": {"logps": torch.zeros(2)}, "snapshot_step": 4},
                tmp_path / OVERLAP_FILE.format(rank=rank))
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(process_index=rank, device=torch.device("cpu", 0)))
-    trainer._overlap = RolloutOverlap(trainer)
-    load_run_state(trainer, str(tmp_path))
-    assert trainer._step == 1 and torch.equal(trainer._buffered_inputs[0]["advantages"], torch.ones(2))
-    resumed = trainer._overlap.resumed
+    state = load_run_state(str(tmp_path), rank, torch.device("cpu", 0))
+    assert state.buffer["step"] == 1 and torch.equal(state.buffer["buffered_inputs"][0]["advantages"], torch.ones(2))
+    assert state.buffer["skip_update"] is False and state.estimator is None and state.env_counters is None
+    overlap = RolloutOverlap(collector=None, spec=None, step=lambda: 0, num_generations=2)
+    overlap.load_state_dict(state.prefetched)
+    resumed = overlap.resumed
     assert resumed.rows == [{"task_id": 3}] and resumed.snapshot_step == 4 and resumed.rollout["logps"].device.type == "cpu"

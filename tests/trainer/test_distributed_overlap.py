@@ -126,7 +126,7 @@ def test_overlap_is_refused_under_zero3_and_fsdp_and_with_trls_tool_envs(monkeyp
     def trainer(zero_stage=None, fsdp=False):
         plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
         return SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
-                               is_fsdp_enabled=fsdp)
+                               is_fsdp_enabled=fsdp, collector=None, batch_spec=None, num_generations=2)
 
     for sharded in (trainer(3), trainer(fsdp=True)):
         with pytest.raises(ValueError, match=r"max_staleness=1 cannot run under ZeRO-3 or FSDP.*Set max_staleness=0\."):
@@ -134,5 +134,5 @@ def test_overlap_is_refused_under_zero3_and_fsdp_and_with_trls_tool_envs(monkeyp
     with pytest.raises(ValueError, match=r"max_staleness=1 plays the project's TextEnvs.*Set max_staleness=0\."):
         BiPACETrainer._rollout_overlap(trainer(2), trl_envs=True)
     # ZeRO-2 passes the check (its 2-process run is above)
-    monkeypatch.setattr(RolloutOverlap, "__init__", lambda self, owner: setattr(self, "owner", owner))
+    monkeypatch.setattr(RolloutOverlap, "__init__", lambda self, collector, *rest: setattr(self, "collector", collector))
     assert isinstance(BiPACETrainer._rollout_overlap(trainer(2), trl_envs=False), RolloutOverlap)

@@ -36,7 +36,7 @@ def greedy_rollout(trainer, name: str):
 def test_greedy_rollouts_and_hidden_states_are_those_of_trls_path(warm_policy_dir, tmp_path, mode):
     plain = trainer_for(warm_policy_dir, tmp_path / "plain", rollout_mode=mode, rollout_batch_size=4)
     reuse = trainer_for(warm_policy_dir, tmp_path / "reuse", rollout_mode=mode, rollout_batch_size=4, hf_prefix_cache=True)
-    assert plain.collector.hf_prefix is None and reuse.collector.hf_prefix is not None
+    assert plain.policy.hf_prefix is None and reuse.policy.hf_prefix is not None
     try:
         a, b = greedy_rollout(plain, "train"), greedy_rollout(reuse, "train")
     finally:
@@ -52,13 +52,13 @@ def test_greedy_rollouts_and_hidden_states_are_those_of_trls_path(warm_policy_di
     assert a.prompt_counts["prompt_tokens_encoded"] == total and a.prompt_counts["prompt_tokens_reused"] == 0
     assert b.prompt_counts["prompt_tokens_encoded"] + b.prompt_counts["prompt_tokens_reused"] == total
     assert b.prompt_counts["prompt_tokens_reused"] > 0
-    assert len(reuse.collector.hf_prefix.store) == 0  # cleared when the rollout ended
+    assert len(reuse.policy.hf_prefix.store) == 0  # cleared when the rollout ended
 
 
 def test_trls_path_is_kept_with_a_warning_when_a_cache_implementation_is_set(warm_policy_dir, tmp_path):
     with pytest.warns(UserWarning, match="hf_prefix_cache=True is ignored: cache_implementation='dynamic'"):
         trainer = trainer_for(warm_policy_dir, tmp_path / "run", hf_prefix_cache=True, cache_implementation="dynamic")
-    assert trainer.collector.hf_prefix is None
+    assert trainer.policy.hf_prefix is None
 
 
 def test_two_training_steps_log_the_prefix_cache_hit_rate(warm_policy_dir, tmp_path):

@@ -34,9 +34,9 @@ def rows_of(trainer, count):
 
 def completion_logps(trainer, module, steps):
     """`module`'s per-token log-probs of the steps' completions, in the training batch's layout."""
-    prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer, steps, len(steps))
+    prompt_ids, prompt_mask, completion_ids, completion_mask = padded_tensors(trainer.batch_spec, steps, len(steps))
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        logps, _, _ = trainer.batch_spec.per_token_logps(
             module, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
             completion_ids.size(1), batch_size=trainer.args.per_device_train_batch_size,
         )
@@ -107,21 +107,21 @@ def test_an_error_in_the_background_surfaces_with_its_traceback():
 def test_the_snapshot_is_its_own_policy_and_leaves_the_global_rng_alone(raw_tiny_dir, tmp_path):
     trainer = make_trainer(raw_tiny_dir, tmp_path, max_staleness=1)
     live = trainer.accelerator.unwrap_model(trainer.model)
-    policy = SnapshotPolicy(trainer, live)
+    policy = SnapshotPolicy(trainer.policy, trainer.batch_spec)
     shared = {n: p for n, p in live.named_parameters() if not p.requires_grad}
     copied = dict(policy.module.named_parameters())
     assert all(copied[n] is p for n, p in shared.items())  # LoRA: the frozen base is shared, not copied
     adapters = [n for n, p in live.named_parameters() if p.requires_grad]
     assert adapters and all(copied[n] is not dict(live.named_parameters())[n] for n in adapters)
 
-    prompts = [trainer.collector._tokenize([[{"role": "user", "content": "Go to the goal."}]], None)[0]] * 3
+    prompts = [trainer.policy.tokenize([[{"role": "user", "content": "Go to the goal."}]])[0]] * 3
     policy.refresh(step=0, seed=7)
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    first, _ = policy.generate(prompts)
+    first = policy.generate(prompts).completion_ids
     assert torch.equal(torch.get_rng_state(), state)  # the main thread's RNG was not drawn from
     policy.refresh(step=0, seed=7)
-    again, _ = policy.generate(prompts)
+    again = policy.generate(prompts).completion_ids
     assert again == first and len({tuple(c) for c in first}) > 1  # seeded, and sampled (not greedy)
 
     # the live adapter moves (an update); the snapshot keeps the weights it was refreshed with
@@ -155,7 +155,7 @@ def test_unchanged_weights_give_ratio_one_and_the_plain_loss_and_gradient(warm_p
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     tasks = trainer.collector.task_refs(rows_of(trainer, 2 * trainer.num_generations), trainer.num_generations)
-    policy = SnapshotPolicy(trainer, trainer.accelerator.unwrap_model(trainer.model))
+    policy = SnapshotPolicy(trainer.policy, trainer.batch_spec)
     policy.refresh(step=0, seed=1)  # the snapshot of the current weights: staleness 0
     rollout = trainer.collector.collect("train", tasks, policy=policy)
     policy.score(rollout.steps)
@@ -167,7 +167,7 @@ def test_unchanged_weights_give_ratio_one_and_the_plain_loss_and_gradient(warm_p
     assert torch.equal(ratio, torch.ones_like(ratio))  # exactly, not approximately
     assert scored.batch_metrics["sampling/sampling_logp_difference/max"] == 0.0
     assert "old_per_token_logps" not in stale  # TRL's loss keeps its own (live) denominator, as without overlap
-    plain, _ = training_batch(trainer, rollout, trainer._sync)
+    plain, _, _ = training_batch(trainer.batch_spec, rollout, trainer._sync)
     advantages = scored.estimate.advantage
     plain["advantages"] = torch.cat([advantages, torch.zeros(plain["advantages"].numel() - advantages.numel())])
     assert (plain["advantages"] != 0).any()
@@ -313,7 +313,7 @@ def test_env_failures_in_the_background_are_episode_failures(warm_policy_dir, tm
 def test_an_error_in_the_background_rollout_stops_the_run(warm_policy_dir, tmp_path, monkeypatch):
     calls = []
 
-    def broken(self, prompt_ids):
+    def broken(self, prompt_ids, *args, **kwargs):
         calls.append(len(prompt_ids))
         raise RuntimeError("snapshot generate broke")
 

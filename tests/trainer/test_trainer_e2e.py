@@ -45,11 +45,11 @@ def test_two_training_steps(preset, warm_policy, tmp_path):
     for key in ("episode/success_rate", "episode/invalid_action_rate", "episode/env_failures", "time/rollout_s",
                 "time/generate_s", "time/estimator_s", "advantage/std", "eval/success_rate"):
         assert key in logged, key
-    if args.estimator.partition != "none":
+    if args.estimator.step_partition != "none":
         assert "estimator/singleton_rate" in logged
-    if args.estimator.partition == "hidden":
+    if args.estimator.step_partition == "hidden":
         assert "estimator/cluster_eps" in logged
-    if args.estimator.baseline == "hierarchy":  # HGPO's per-level diagnostics reach the logs
+    if args.estimator.step_baseline == "hierarchy":  # HGPO's per-level diagnostics reach the logs
         assert {"hierarchy/level0/cell_size_mean", "hierarchy/deepest_level0_frac", "hierarchy/no_level_frac"} <= logged
 
     trainer.close_envs()

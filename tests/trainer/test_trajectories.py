@@ -35,7 +35,7 @@ def test_dumps_and_completion_tables_show_every_step(warm_policy, tmp_path):
 
     episodes = read_dump(run / "rollouts" / "step-000002.jsonl")
     assert len(episodes) == args.tasks_per_iteration * args.num_generations  # one line per episode
-    gamma, penalty = args.estimator.gamma, args.estimator.invalid_penalty
+    gamma, penalty = args.estimator.step_gamma, args.estimator.invalid_action_penalty
     for episode in episodes:
         turns = episode["turns"]
         assert [t["turn"] for t in turns] == list(range(episode["turns_taken"])) and turns
@@ -74,7 +74,7 @@ def test_a_gagpo_run_dumps_the_gae_terms_that_redo_each_advantage(warm_policy, t
     trainer.train()
     trainer.close_envs()
     episodes = read_dump(run / "rollouts" / "step-000001.jsonl")
-    discount = args.estimator.gamma * args.estimator.lam
+    discount = args.estimator.step_gamma * args.estimator.gae_lambda
     shared = 0
     for episode in episodes:
         turns = episode["turns"]
@@ -83,7 +83,7 @@ def test_a_gagpo_run_dumps_the_gae_terms_that_redo_each_advantage(warm_policy, t
             assert list(gae) == list(GAE_FIELDS)
             # V̄(s_{t+1}) is the next turn's V̄, 0 after the last (no bootstrap by default)
             assert gae["next_value"] == (turns[t + 1]["gae"]["value"] if t + 1 < len(turns) else 0.0)
-            assert gae["delta"] == pytest.approx(turn["reward"] + args.estimator.gamma * gae["next_value"] - gae["value"])
+            assert gae["delta"] == pytest.approx(turn["reward"] + args.estimator.step_gamma * gae["next_value"] - gae["value"])
             discounted = sum(discount**k * later["gae"]["delta"] for k, later in enumerate(turns[t:]))
             assert gae["discounted_sum"] == pytest.approx(discounted, abs=1e-9)
             redone = (discounted - gae["penalty"] - gae["group_mean"]) / (gae["group_std"] + 1e-6) if gae["shared"] else 0.0

@@ -321,7 +321,7 @@ def test_every_grpo_config_field_is_in_the_table_of_what_bipace_does_with_it():
 @pytest.mark.parametrize("scale, norm", [("group", "mean_std"), ("none", "mean")])
 def test_scale_rewards_is_the_estimators_normalisation(scale, norm):
     for preset in ("grpo", "gigpo", "bipace_q", "hgpo"):
-        assert BiPACEConfig(**COMMON, preset=preset, scale_rewards=scale).estimator.norm == norm
+        assert BiPACEConfig(**COMMON, preset=preset, scale_rewards=scale).estimator.advantage_norm == norm
     # TRL's docstring: "none" applies no scaling, "group" divides by the std within the group
     batch = StepBatch(group=[0] * 4, traj=[0, 1, 2, 3], t=[0] * 4, reward=[1.0, 0.0, 0.0, 0.0], valid=[True] * 4,
                       anchor=["s"] * 4, action_key=["a"] * 4)
@@ -330,10 +330,20 @@ def test_scale_rewards_is_the_estimators_normalisation(scale, norm):
     assert advantage.tolist() == pytest.approx([0.75 / divisor] + [-0.25 / divisor] * 3)
 
 
+@pytest.mark.parametrize("preset", ["grpo", "bipace_q", "hgpo", "graphgpo", "bigraphgpo"])
+def test_plain_prompts_take_the_episode_term_of_every_preset(preset):
+    """Plain prompts (one-step episodes): every preset, the graph ones included, becomes its episode term."""
+    config = BiPACEConfig(**COMMON, preset=preset)
+    config.set_one_step_estimator()
+    s = config.estimator
+    assert (s.step_partition, s.step_baseline, s.w_ep, s.w_step, s.step_return) == ("none", None, 1.0, 0.0, "discounted")
+
+
 def test_scale_rewards_and_advantage_norm_that_contradict_each_other_stop_the_config():
     with pytest.raises(ValueError, match="scale_rewards='none' asks for advantage_norm='mean' but advantage_norm='mean_std'"):
         BiPACEConfig(**COMMON, scale_rewards="none", advantage_norm="mean_std")
-    assert BiPACEConfig(**COMMON, advantage_norm="mean").estimator.norm == "mean"  # TRL's default "group" yields to ours
+    # TRL's default "group" yields to ours
+    assert BiPACEConfig(**COMMON, advantage_norm="mean").estimator.advantage_norm == "mean"
 
 
 def test_reward_settings_with_no_step_level_form_are_refused_on_multi_turn_episodes_before_loading():

@@ -121,9 +121,13 @@ def main():
     if trainer.accelerator.is_main_process or continuous:  # streaming, every rank sends its own requests
         generation.vllm_client = server
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, generation, -1
-    trainer.collector.weight_syncs = WeightSyncs(generation)
-    if continuous:  # what the collector sets up for vllm_mode="server" in continuous mode
-        trainer.collector.can_stream, trainer.collector.prefix_cache = True, PrefixCacheCounter()
+    # what the trainer's policy sets up for vLLM (`TRLPolicy`), on the policy built without it
+    policy = trainer.policy
+    policy.trl.vllm_generation, policy.use_vllm, trainer.batch_spec.use_vllm = generation, True, True
+    policy.weight_syncs = WeightSyncs(generation)
+    trainer.needs_hidden = trainer.needs_hidden  # the HiddenPlan chosen again, now under vLLM
+    if continuous:  # what the policy sets up for vllm_mode="server" in continuous mode
+        policy.can_stream, policy.prefix_cache = True, PrefixCacheCounter()
         assert trainer.collector.streams
     trainer.train()
     trainer.close_envs()
@@ -143,7 +147,7 @@ def main():
         "requests": server.requests,
         "streamed": trainer.collector.streams,
         "weight_pushes": server.weight_pushes,
-        "weight_syncs": trainer.collector.weight_syncs.count,
+        "weight_syncs": trainer.policy.weight_syncs.count,
         "global_step": trainer.state.global_step,
         "is_ratio": [list(batch["importance_sampling_ratio"].shape) for _, _, batch in trainer.captured],
         "final_eval": trainer.eval_history[-1]["num_tasks"] if trainer.eval_history else None,

@@ -1,0 +1,145 @@
+"""The seam between the trainer and the rest, checked on the source (AST): only `trainer.py` touches
+the trainer's private names, and the rollout is handed a policy and values, never the trainer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bipace_trainer"
+
+
+def _names_the_trainer(node: ast.expr) -> bool:
+    """`trainer` or `<anything>.trainer` (`self.trainer`, `self.owner.trainer`)."""
+    return (isinstance(node, ast.Name) and node.id == "trainer") or (isinstance(node, ast.Attribute) and node.attr == "trainer")
+
+
+def private_trainer_accesses(source: str) -> list[str]:
+    """Every `<trainer>._name` (read, write or call; dunders aside) in `source`, as "line: expression"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if _names_the_trainer(node.value):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def trainer_handles(source: str) -> list[str]:
+    """Every parameter named `trainer` and every `.trainer` attribute in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "trainer":
+            found.append(f"{node.lineno}: parameter trainer")
+        elif isinstance(node, ast.Attribute) and node.attr == "trainer":
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and any(alias.name == "GRPOTrainer" for alias in node.names):
+            found.append(f"{node.lineno}: imports GRPOTrainer")
+    return found
+
+
+def test_the_scans_find_what_they_look_for():
+    sample = "trainer._step = 1\nx = self.trainer._tokenize_prompts(p)\ny = trainer.__class__\nz = other._private\n"
+    assert private_trainer_accesses(sample) == ["1: trainer._step", "2: self.trainer._tokenize_prompts"]
+    assert trainer_handles("def f(trainer):\n    return self.trainer.args\n") == ["1: parameter trainer", "2: self.trainer"]
+
+
+def test_no_module_but_trainer_py_touches_a_private_name_of_the_trainer():
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "trainer.py" and (hits := private_trainer_accesses(path.read_text()))
+    }
+    assert found == {}, "give these modules a value or a bound method from trainer.py instead: " + repr(found)
+
+
+def test_the_rollout_is_handed_a_policy_and_values_never_the_trainer():
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted((PACKAGE / "rollout").rglob("*.py"))
+        if (hits := trainer_handles(path.read_text()))
+    }
+    assert found == {}, found
+
+
+# ---------------------------------------------------------------------- function length
+
+MAX_CODE_LINES = 60
+
+
+def code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """The rule: the lines from `def` to the function's last line (decorators not counted), minus blank
+    lines, comment-only lines and the docstring's lines. A nested function counts in its parent too."""
+    docstring = set()
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        docstring = set(range(first.lineno, first.end_lineno + 1))
+    return sum(
+        1
+        for number in range(function.lineno, function.end_lineno + 1)
+        if number not in docstring and lines[number - 1].strip() and not lines[number - 1].strip().startswith("#")
+    )
+
+
+def long_functions(source: str) -> list[str]:
+    lines = source.splitlines()
+    return [
+        f"{node.name} (line {node.lineno}): {count} lines"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (count := code_lines(node, lines)) > MAX_CODE_LINES
+    ]
+
+
+def test_the_length_rule_counts_code_not_docstrings_comments_or_blank_lines():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CODE_LINES - 1))
+    padded = f'def f():\n    """Doc\n\n    more doc."""\n    # why\n\n{body}\n'
+    assert long_functions(padded) == []  # def + 59 statements = 60 lines of code
+    assert long_functions(padded + "    y = 1\n") == ["f (line 1): 61 lines"]
+
+
+def test_no_function_in_the_package_is_longer_than_60_lines_of_code():
+    found = {
+        str(path.relative_to(PACKAGE)): hits for path in sorted(PACKAGE.rglob("*.py")) if (hits := long_functions(path.read_text()))
+    }
+    assert found == {}, found
+
+
+# ---------------------------------------------------------------------- one owner per concept
+
+
+def test_hidden_capture_is_chosen_once_by_one_rule():
+    from bipace_trainer.rollout.hidden import HiddenPlan
+
+    table = {  # (needs_hidden, hidden_capture, use_vllm) -> source
+        (False, "hook", False): "none", (False, "forward", True): "none",
+        (True, "hook", False): "prefill", (True, "hook", True): "old_logprobs",
+        (True, "forward", False): "forward", (True, "forward", True): "forward",
+    }  # fmt: skip
+    for (needs, capture, vllm), source in table.items():
+        plan = HiddenPlan.choose(needs, capture, vllm, layer=-3)
+        assert (plan.source, plan.layer) == (source, -3)
+        assert plan.in_generation == (source in ("prefill", "forward"))
+
+
+def test_states_captured_apart_from_the_rollout_enter_the_estimators_input_explicitly():
+    import torch
+
+    from bipace_trainer.rollout.loop import Episode, Rollout, StepRecord
+
+    steps = [StepRecord(0, 0, t, [1], [2], "", "", True, None, f"s{t}", 0.0) for t in range(2)]
+    rollout = Rollout(steps, [Episode(0, 0, 0, {}, length=2)], {})
+    assert rollout.step_batch().hidden is None  # nothing captured in the generation
+    states = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(rollout.step_batch(states).hidden, states)
+    assert all(s.hidden is None for s in rollout.steps)  # the steps are left as played
+
+
+def test_cluster_layer_has_one_rule():
+    import pytest
+
+    from bipace_trainer.rollout.hidden import resolve_cluster_layer
+
+    assert [resolve_cluster_layer(4, layer) for layer in (-5, -4, -1, 0, 4)] == [-5, -4, -1, 0, 4]
+    with pytest.warns(UserWarning, match="cluster_layer=-8 is out of range .* using cluster_layer=-4"):
+        assert resolve_cluster_layer(4, -8) == -4
+    with pytest.raises(ValueError, match=r"cluster_layer=5 is out of range .* use -5..4"):
+        resolve_cluster_layer(4, 5)
