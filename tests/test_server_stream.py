@@ -8,6 +8,7 @@ through it. The real vLLM server is tested in tests/vllm/ (slow)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -18,7 +19,7 @@ import pytest
 import requests
 
 from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
-from bipace_trainer.rollout.vllm_backend import PrefixCacheCounter
+from bipace_trainer.rollout.policy import TRLGeneration, TRLPolicy
 from bipace_trainer.rollout.vllm_stream import ServerStream, StreamTurns, request_seed, server_sampling_params
 from envs.vector import VectorEnv
 
@@ -212,16 +213,29 @@ def tokenize(messages, environments=None):
     return [list(m[-1]["content"].encode()) for m in messages]
 
 
-def fake_trainer(client, num_processes=1, global_step=0, last_loaded=-1):
-    pushes, barriers = [], []
+def fake_policy(client, num_processes=1, global_step=0, last_loaded=-1):
+    """The trainer's `TRLPolicy` over TRL's server generation, with the trainer's step and TRL's
+    `_last_loaded_step` as values (`loaded[0]`), weight pushes and barriers recorded."""
+    pushes, barriers, loaded = [], [], [last_loaded]
     generation = trl_generation(client, max_completion_length=64, temperature=1.0)
     generation.sync_weights = lambda: pushes.append(global_step)
-    accelerator = SimpleNamespace(num_processes=num_processes, is_main_process=True,
+    accelerator = SimpleNamespace(num_processes=num_processes, is_main_process=True, device="cpu",
                                   wait_for_everyone=lambda: barriers.append(len(pushes)))
-    trainer = SimpleNamespace(vllm_generation=generation, args=SimpleNamespace(seed=7, report_to=[]), accelerator=accelerator,
-                              state=SimpleNamespace(global_step=global_step), _last_loaded_step=last_loaded,
-                              processing_class=Tokenizer())
-    return trainer, pushes, barriers
+
+    def loaded_step(step):
+        if step is not None:
+            loaded[0] = step
+        return loaded[0]
+
+    trl = TRLGeneration(
+        generate_single_turn=None, tokenize_prompts=tokenize, tokenizer=SimpleNamespace(pad_token_id=0),
+        processing_class=Tokenizer(), model=None, model_wrapped=None, unwrap=None, accelerator=accelerator,
+        args=SimpleNamespace(seed=7, report_to=[], per_device_train_batch_size=4, vllm_mode="server"),
+        generation_config=None, generation_kwargs={}, eos_token_ids=[0], step=lambda: global_step,
+        loaded_step=loaded_step, summon_full_params=None, profile=lambda name: contextlib.nullcontext(),
+        vllm_generation=generation,
+    )
+    return TRLPolicy(trl), pushes, barriers, loaded
 
 
 def test_episodes_play_through_the_server_on_their_own_and_match_lockstep():
@@ -232,23 +246,23 @@ def test_episodes_play_through_the_server_on_their_own_and_match_lockstep():
     slow = request_seed(7, 0, "train", 0, 0)
     srv = FakeVLLMServer(delay=lambda seed: 0.4 if seed == slow else 0.0)
     try:
-        trainer, pushes, barriers = fake_trainer(trl_client(srv.url), num_processes=2)
-        counter = PrefixCacheCounter()
-        stream = StreamTurns(trainer, tokenize, counter, name="train")
+        policy, pushes, barriers, loaded = fake_policy(trl_client(srv.url), num_processes=2)
+        counter = policy.prefix_cache  # a server's: its streamed replies report cached prompt tokens
+        stream = StreamTurns(policy, name="train")
         # the weights moved when the stream was built (the step changed), then every rank waited
-        assert pushes == [0] and barriers == [1] and trainer._last_loaded_step == 0
+        assert pushes == [0] and barriers == [1] and loaded == [0]
         settings = RolloutSettings(max_turns=4, mode="continuous")
         tasks = [TaskRef(i % 12, group=i // 3) for i in range(n)]
         with VectorEnv("tiny", n, env_kwargs={"size": 8}) as envs:
             played = run_rollouts(envs, tasks, stream, settings)
 
-        def policy(messages, environments=None):
+        def lockstep_policy(messages, environments=None):
             ids = tokenize(messages)
             replies = [walk(bytes(p).decode()) for p in ids]
             return Generation(ids, [list(r.encode()) for r in replies], replies, logprobs=[[-0.25] * len(r) for r in replies])
 
         with VectorEnv("tiny", n, env_kwargs={"size": 8}) as envs:
-            lock = run_rollouts(envs, tasks, policy, RolloutSettings(max_turns=4, mode="lockstep"))
+            lock = run_rollouts(envs, tasks, lockstep_policy, RolloutSettings(max_turns=4, mode="lockstep"))
     finally:
         srv.close()
     fields = lambda s: (s.traj, s.t, s.prompt_ids, s.completion_ids, s.reply, s.action, s.reward, s.sampling_logprobs)
@@ -267,5 +281,5 @@ def test_episodes_play_through_the_server_on_their_own_and_match_lockstep():
     assert counts["prompt_tokens_encoded"] + counts["prompt_tokens_reused"] == sum(len(s.prompt_ids) for s in played.steps)
     assert counts["prompt_tokens_reused"] > 0  # the group's copies share their first prompt
     # a stream built again in the same step moves nothing
-    StreamTurns(trainer, tokenize, None, name="eval").close()
+    StreamTurns(policy, name="eval").close()
     assert pushes == [0] and barriers == [1]
