@@ -119,7 +119,7 @@ def update(trainer, inputs, shared) -> dict:
     """One micro-batch's loss and backward; seconds, peak RSS above the start, tokens forwarded."""
     from bipace_trainer.micro_batches import split_rows
 
-    trainer._shared_prefix = shared
+    trainer.shared_prefix = shared
     trainer.model.zero_grad(set_to_none=True)
     process, peak, done = psutil.Process(), [0], threading.Event()
 
@@ -181,7 +181,7 @@ def main(argv=None) -> dict:
 
 
 def run(trainer, cli) -> dict:
-    shared = trainer._shared_prefix
+    shared = trainer.shared_prefix
     assert shared is not None, "shared_prefix is off for this model (see the log)"
     made = batches(trainer, cli.workloads)
     first = next(iter(made.values()))

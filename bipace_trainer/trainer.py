@@ -4,18 +4,17 @@
 
 Rows of a generation batch are tasks, each `num_generations` times; the collector plays them through
 `self.policy` (`rollout.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch
-with the estimator's advantage. Only this module touches TRL's private names: it hands the rollout
-values and bound methods (`TRLGeneration`, `TRLBatchSpec`, `ToolEnvSetup`) and checkpoints a
-`checkpointing.RunState`. The methods it overrides say why in their docstrings; everything else
-(loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is TRL's; with `shared_prefix` each shared
-token prefix is forwarded once in TRL's log-prob passes (`shared_prefix.py`). Guards: docs/RELIABILITY.md.
+with the estimator's advantage. What it takes of TRL's internals, and hands back, comes through its base
+`trl_adapter.GRPOAdapter`, the one module that touches GRPOTrainer's private names; this one touches
+none (tests/test_seam.py). Everything else (loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is
+TRL's; with `shared_prefix` each shared token prefix is forwarded once in TRL's log-prob passes
+(`shared_prefix.py`). Guards: docs/RELIABILITY.md.
 
 A plain prompt dataset with `reward_funcs` is a set of one-step episodes, trained with GRPOTrainer's
 own advantage (`trl_advantages`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
 its rows as a training batch (`_eval_batch`). What the trainer does with each GRPOConfig field is
 `config.GRPO_FIELDS`; docs/tutorials/coming-from-trl.md says it for users.
 """
-
 from __future__ import annotations
 
 import copy
@@ -28,36 +27,31 @@ from typing import Any, Callable
 import torch
 from datasets import Dataset
 from transformers import ProgressCallback
-from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
 
-from . import memory, trl_compat
+from . import memory
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
-from .micro_batches import loss_in_pieces, piece_weights, split_rows, take_rows
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import write_model_card
-from .rollout.batching import TRLBatchSpec
 from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
 from .rollout.hidden import HiddenPlan, clamp_layer
 from .rollout.loop import Rollout, TaskRef
 from .rollout.overlap import Prefetched, RolloutOverlap, check_overlap
-from .rollout.policy import TRLGeneration, TRLPolicy, fit_to_context
+from .rollout.policy import TRLPolicy
 from .rollout.scoring import ScoredRollout, generation_metrics, score_rollout
-from .rollout.tool_envs import ToolEnvSetup, check_environment_factory
+from .rollout.tool_envs import check_environment_factory
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
 from .shared_prefix import SharedPrefixForward
-from .trl_advantages import one_step_estimate
-from .trl_metrics import generation_trl_metrics
+from .trl_adapter import GRPOAdapter
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
 
 
-class BiPACETrainer(GRPOTrainer):
+class BiPACETrainer(GRPOAdapter):
     """Multi-turn, step-level RL on text environments; see the module docstring.
 
     Args (GRPOTrainer's, in its order and with its defaults):
@@ -132,12 +126,10 @@ class BiPACETrainer(GRPOTrainer):
             logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
                         "has no step term to add where the prompt is the only state).")
         self.estimator = StepAdvantageEstimator(args.estimator)
-        self._cap_turns(args)
+        self.cap_turns(args.max_turn_length)
         self._build_rollout(args, trl_envs, len(user_rewards), eval_dataset)
         self.eval_history: list[dict[str, Any]] = []
         self.interrupted = False
-        self.saving_checkpoint = False  # a SIGTERM during a save waits for it (`callbacks.GracefulStopCallback`)
-        self._checkpoint_staging: str | None = None
         self._skip_update = False  # the current generation's, for each micro-batch TRL cuts from it
         self._graceful_stop = GracefulStopCallback(self, self._sync)
         self.add_callback(self._graceful_stop)
@@ -154,105 +146,19 @@ class BiPACETrainer(GRPOTrainer):
         if needs_hidden:
             args.cluster_layer = clamp_layer(self.accelerator.unwrap_model(self.model), args.cluster_layer)
         self.hidden_plan = HiddenPlan.choose(needs_hidden, args.hidden_capture, self.use_vllm, args.cluster_layer)
-        self.policy = TRLPolicy(self._trl_generation())
-        self.batch_spec = self._batch_spec()
-        # TRL's `mask_truncated_completions` on TRL's envs, whose episode is TRL's one completion
-        self.batch_spec.mask_cut_episodes = bool(self.mask_truncated_completions and trl_envs and not self.one_step)
+        self.policy = TRLPolicy(self.trl_generation())
+        self.batch_spec = self.trl_batch_spec(mask_cut_episodes=trl_envs and not self.one_step)
         if trl_envs:
             eval_rows = list(eval_dataset) if eval_dataset is not None else []
-            source = ToolEnvSource(self._tool_env_setup(num_user_rewards), args, num_user_rewards, eval_rows)
+            source = ToolEnvSource(self.tool_env_setup(num_user_rewards), args, num_user_rewards, eval_rows)
         else:
             source = TextEnvSource(args)
         self.collector = RolloutCollector(
-            self.policy, source, args, self.accelerator, self.hidden_plan, sharded=self._sharded_forward()
+            self.policy, source, args, self.accelerator, self.hidden_plan, sharded=self.sharded_forward
         )
         self._sync = self.collector.sync
-        self._shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
+        self.shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
-
-    def _cap_turns(self, args: BiPACEConfig) -> None:
-        """Each generate call's cap is `max_turn_length` (None: `max_completion_length`, TRL's
-        setting of both backends); TRL's envs also cap the episode (`tool_envs`)."""
-        if args.max_turn_length is None or args.max_turn_length == self.max_completion_length:
-            return
-        if self.use_vllm:
-            self.vllm_generation.max_completion_length = args.max_turn_length
-        else:
-            self.generation_config.max_new_tokens = args.max_turn_length
-            self.generation_kwargs["max_new_tokens"] = args.max_turn_length
-
-    def _sharded_forward(self) -> bool:
-        return sharded_forward(self.accelerator, getattr(self, "is_fsdp_enabled", False))
-
-    def _trl_generation(self) -> TRLGeneration:
-        """TRL's generation as `TRLPolicy` uses it: this trainer's methods bound, its settings as values."""
-
-        def loaded_step(step: int | None) -> int:
-            if step is not None:
-                self._last_loaded_step = step
-            return self._last_loaded_step
-
-        return TRLGeneration(
-            generate_single_turn=self._generate_single_turn, tokenize_prompts=self._tokenize_for,
-            tokenizer=self._tokenizer, processing_class=self.processing_class, model=lambda: self.model,
-            model_wrapped=lambda: self.model_wrapped, unwrap=self.accelerator.unwrap_model, accelerator=self.accelerator,
-            args=self.args, generation_config=self.generation_config, generation_kwargs=self.generation_kwargs,
-            eos_token_ids=self.eos_token_ids, step=lambda: self.state.global_step, loaded_step=loaded_step,
-            summon_full_params=lambda: self._dist.summon_full_params(self.model_wrapped, recurse=False),
-            profile=lambda name: profiling_context(self, name), vllm_generation=self.vllm_generation if self.use_vllm else None,
-            pad_to_multiple_of=self.pad_to_multiple_of, sharded=self._sharded_forward(),
-            continuous_batching=bool(self.use_transformers_continuous_batching), multimodal=bool(getattr(self, "_is_vlm", False)),
-        )
-
-    def _batch_spec(self) -> TRLBatchSpec:
-        """What TRL's batch takes of this trainer (`batching.training_batch`)."""
-        return TRLBatchSpec(
-            args=self.args, accelerator=self.accelerator, pad_token_id=self._tokenizer.pad_token_id,
-            eos_token_ids=self.eos_token_ids, mask_truncated_completions=self.mask_truncated_completions,
-            num_iterations=self.num_iterations, use_vllm=self.use_vllm,
-            vllm_importance_sampling_correction=getattr(self, "vllm_importance_sampling_correction", False),
-            vllm_importance_sampling_mode=getattr(self, "vllm_importance_sampling_mode", "sequence_mask"),
-            vllm_importance_sampling_clip_min=getattr(self, "vllm_importance_sampling_clip_min", None),
-            vllm_importance_sampling_clip_max=getattr(self, "vllm_importance_sampling_clip_max", None),
-            beta=self.beta, per_token_logps=self._get_per_token_logps_and_entropies, model=lambda: self.model,
-            ref_model=self.ref_model,
-        )
-
-    def _tool_env_setup(self, num_user_rewards: int) -> ToolEnvSetup:
-        """What playing TRL's envs takes of what `GRPOTrainer.__init__` set up (`tool_envs.ToolEnvSetup`)."""
-
-        def take_reward_logs() -> tuple[dict, dict]:
-            pending, extra = getattr(self, "_pending_metrics", {}), getattr(self, "_pending_extra_logs", {})
-            taken = dict(pending), dict(extra)
-            pending.clear()
-            extra.clear()
-            return taken
-
-        return ToolEnvSetup(  # plain prompts: GRPOTrainer sets no tool attributes
-            environment_factories=self.environment_factories,
-            multi_environment=bool(getattr(self, "_multi_environment", False)),
-            standalone_tools=list(getattr(self, "_standalone_tools", [])), env_tools=getattr(self, "_env_tools", {}),
-            tools=self.tools,
-            tokenizer=self._tokenizer, max_tool_calling_iterations=self.max_tool_calling_iterations,
-            num_reward_funcs=len(self.reward_funcs), reward_func_names=list(self.reward_func_names),
-            reward_weights=self.reward_weights, take_reward_logs=take_reward_logs,
-            user_rewards=functools.partial(self._rank_local_rewards, num_user_rewards),
-            max_completion_length=self.max_completion_length, tool_suffix_ids=self._get_tool_suffix_ids,
-        )
-
-    def _rank_local_rewards(self, k: int, rows, prompts, completions, completion_ids, environments) -> torch.Tensor:
-        """The first `k` reward functions (the user's), unweighted, (n, k), by TRL's `_calculate_rewards` on
-        this rank's rows alone: TRL's method ends by gathering over ranks, which assumes every rank scores
-        as many rows at once; an evaluation's shards differ or are empty, so that gather is left out."""
-        saved = self.reward_funcs, self.reward_func_names, self.reward_processing_classes, self.environments
-        self.reward_funcs, self.reward_func_names, self.reward_processing_classes = saved[0][:k], saved[1][:k], saved[2][:k]
-        if self.environment_factories is not None:  # as TRL: reward functions see `environments` only then
-            self.environments = environments
-        try:
-            with trl_compat.rank_local_gather():
-                return self._calculate_rewards(rows, prompts, completions, completion_ids)
-        finally:
-            self.reward_funcs, self.reward_func_names, self.reward_processing_classes, self.environments = saved
 
     def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
         """`max_staleness=1`'s background rollouts (`rollout.overlap`), where nothing on the
@@ -270,22 +176,6 @@ class BiPACETrainer(GRPOTrainer):
         """Re-choose the run's `HiddenPlan` (a study that records states the estimator does not read)."""
         self.hidden_plan = HiddenPlan.choose(value, self.args.hidden_capture, self.use_vllm, self.args.cluster_layer)
         self.collector.hidden = self.hidden_plan
-
-    # ------------------------------------------------------------------ generation (the policy calls these)
-
-    def _tokenize_for(self, messages: list, environments: list | None) -> list[list[int]]:
-        """TRL's tokenization of chat prompts, each rendered with its environment's tool schema."""
-        if environments is not None:  # TRL renders each prompt with its env's tool schema
-            self._batch_environments = environments
-        return self._tokenize_prompts(messages)[0]
-
-    def _tokenize_prompts(self, prompts: list):
-        """TRL's tokenization, then each prompt bounded by the model's context minus one reply's cap
-        (`max_turn_length`, else `max_completion_length`; `policy.fit_to_context`)."""
-        prompt_ids, *rest = super()._tokenize_prompts(prompts)
-        module = self.accelerator.unwrap_model(self.model)
-        reply = self.args.max_turn_length or self.args.max_completion_length
-        return (fit_to_context(prompt_ids, module, reply, self._tokenizer), *rest)
 
     # ------------------------------------------------------------------ the run
 
@@ -321,23 +211,14 @@ class BiPACETrainer(GRPOTrainer):
             epoch_iterator = self._overlap.lookahead(epoch_iterator)
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
-    def _get_train_sampler(self, dataset=None):
-        """TRL's sampler, reseeded per epoch so that a resumed run draws the same task order."""
-        return checkpointing.EpochSeededRepeatSampler.like(super()._get_train_sampler(dataset))
-
     # ------------------------------------------------------------------ the seam
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         if not self.model.training:  # TRL's evaluate (eval_dataset, eval_strategy)
             return self._eval_batch(inputs)
-        mode = "train"
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
         # max_staleness=1: this generation may have been played during the previous update (`rollout.overlap`)
-        prefetched = None
-        if self._overlap is not None and mode == "train":
-            prefetched = self._overlap.take(inputs)
-        elif self._overlap is not None:  # TRL's evaluate plays on the same envs: the rollout in flight ends first
-            self._overlap.join()
+        prefetched = self._overlap.take(inputs) if self._overlap is not None else None
         # a subclass's `_scored_rollout(self, tasks)` (a timing bench's, a recorder's) keeps working without overlap
         scored = self._scored_rollout(tasks, prefetched) if prefetched is not None else self._scored_rollout(tasks)
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is played again on
@@ -354,18 +235,19 @@ class BiPACETrainer(GRPOTrainer):
         # No sample with a non-zero advantage on any rank: nothing to learn from; skip the update. TRL
         # buffers this batch's micro-batches until the next generation, so the flag stays on the trainer.
         self._skip_update = not scored.signal and self.skip_update_without_signal
+        trl_metrics = self.trl_metrics(rollout, "train", trl_rewards=self.collector.source.uses_reward_funcs)
         metrics = generation_metrics(
             scored, [e for batch in outcome.played for e in batch.rollout.episodes],
-            env_metrics=self.collector.env_metrics("train"), trl_metrics=self._trl_metrics(rollout, mode),
+            env_metrics=self.collector.env_metrics("train"), trl_metrics=trl_metrics,
             resamples=outcome.attempts if self.args.resample_without_signal else None,
             weight_syncs=self.policy.weight_syncs.count if self.use_vllm else None,
             global_step=self.state.global_step if self._overlap is not None else None,
         )
-        self._record_metrics(mode, metrics)
+        self.record_metrics("train", self._sync.combine(metrics))
         covered = self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps
         self.collector.record(rollout, estimate, step=self.state.global_step, covered=covered,
-                              completions_log=self._logs if self.log_completions else None)
-        if self._overlap is not None and mode == "train":
+                              completions_log=self.completions_log)
+        if self._overlap is not None:
             self._overlap.start_next(inputs)  # the next generation plays while this one trains
         return scored.batch
 
@@ -379,20 +261,7 @@ class BiPACETrainer(GRPOTrainer):
             played = self.collector.collect("train", tasks, traj_offset=self.accelerator.process_index * len(tasks))
         return score_rollout(
             played, self.batch_spec, self.estimator, self._sync, self.hidden_plan, self.args.penalize_env_failures,
-            prefetched, advantages_of=self._one_step_advantages(self.num_generations),
-        )
-
-    def _one_step_advantages(self, group_size: int) -> Callable | None:
-        """On one-step episodes (plain prompts), GRPOTrainer's own advantage in place of the estimator's
-        (`trl_advantages.one_step_estimate`, over every rank's rows as TRL gathers them); else None."""
-        if not self.one_step:
-            return None
-        accelerator = self.accelerator
-        gather = (lambda rows: accelerator.gather(rows.to(accelerator.device)).cpu()) if accelerator.num_processes > 1 else None
-        return functools.partial(
-            one_step_estimate, reward_func_names=self.reward_func_names, reward_weights=self.reward_weights,
-            group_size=group_size, scale_rewards=self.args.scale_rewards, aggregation=self.args.multi_objective_aggregation,
-            gather=gather, rank=accelerator.process_index,
+            prefetched, advantages_of=self.one_step_advantages(self.num_generations),
         )
 
     def _eval_batch(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -411,12 +280,12 @@ class BiPACETrainer(GRPOTrainer):
         # a copy of the estimator: evaluation must not move the training estimator's ε calibration or call count
         scored = score_rollout(
             played, self.batch_spec, copy.deepcopy(self.estimator), self._sync, HiddenPlan(), self.args.penalize_env_failures,
-            forward_hidden=forward, advantages_of=self._one_step_advantages(self.num_generations_eval),
+            forward_hidden=forward, advantages_of=self.one_step_advantages(self.num_generations_eval),
         )
         rollout = scored.rollout
         metrics = {**rollout.metrics(), **scored.estimate.diagnostics, **scored.batch_metrics}
-        metrics.update(self._trl_metrics(rollout, "eval"))
-        self._record_metrics("eval", metrics)
+        metrics.update(self.trl_metrics(rollout, "eval", trl_rewards=self.collector.source.uses_reward_funcs))
+        self.record_metrics("eval", self._sync.combine(metrics))
         return scored.batch
 
     def _redraw_tasks(self, tasks: list[TaskRef], attempt: int) -> list[TaskRef]:
@@ -440,45 +309,9 @@ class BiPACETrainer(GRPOTrainer):
             # clip_ratio/*: 0 with zero advantages) are numbers, as GRPOTrainer logs them. DeepSpeed
             # counts micro-steps inside its backward: there the zero-advantage loss runs as usual.
             with torch.no_grad():
-                self._loss_in_pieces(model, inputs)
+                self.loss_in_pieces(model, inputs)
             return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-        return self._loss_in_pieces(model, inputs, return_outputs, num_items_in_batch)
-
-    def _loss_in_pieces(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss over a micro-batch, in pieces of at most `per_device_train_batch_size` rows
-        (with `shared_prefix`, cut in token order)."""
-        size = self.args.per_device_train_batch_size
-        runs = self._shared_prefix.pieces(inputs, size) if self._shared_prefix is not None else None
-        pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
-        if len(pieces) == 1:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned for: the
-        # loss runs piece by piece, so activation memory is bounded by per_device_train_batch_size rows.
-        loss = functools.partial(super().compute_loss, model)
-        return loss_in_pieces(
-            pieces, piece_weights(pieces, self.loss_type), loss, self._backward_piece,
-            functools.partial(self.accelerator.no_sync, model), torch.is_grad_enabled(), self.accelerator.device,
-        )
-
-    def _backward_piece(self, loss: torch.Tensor) -> None:
-        if self.is_deepspeed_enabled:  # accumulate without DeepSpeed's optimizer step
-            self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False, scale_wrt_gas=False)
-        else:
-            self.accelerator.backward(loss)
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **extra):
-        """TRL's, or the same values with each shared prefix forwarded once (`shared_prefix.py`)."""
-        trl = super()._get_per_token_logps_and_entropies
-
-        def plain(m=model, ids=input_ids, mask=attention_mask):
-            return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
-
-        shared = getattr(self, "_shared_prefix", None)
-        if shared is None or not shared.applies(compute_aux_loss, extra):
-            return plain()
-        return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                          compute_entropy, plain)
+        return self.loss_in_pieces(model, inputs, return_outputs, num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -489,29 +322,6 @@ class BiPACETrainer(GRPOTrainer):
             "applies it. Lower learning_rate, check the env's rewards, or resume from the last checkpoint "
             f"in {self.args.output_dir}."
         )
-
-    # ------------------------------------------------------------------ metrics
-
-    def _trl_metrics(self, rollout: Rollout, mode: str = "train") -> dict[str, float]:
-        """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token counts:
-        TRL's `num_tokens` (the running total of tokens the model processed, each once) and ours,
-        `rollout/tokens_all_turns` (this generation's prompt and completion tokens, every turn's prompt whole)."""
-        trl_rewards = getattr(self.collector.source, "uses_reward_funcs", False)  # else the env's own, TRL's `env_reward`
-        names = self.reward_func_names if trl_rewards else ["env_reward"]
-        metrics, processed_once, every_turn = generation_trl_metrics(
-            rollout, names, [*self.eos_token_ids, self._tokenizer.pad_token_id], self.accelerator,
-            single_source=None if trl_rewards else names[0], failed_scored=self.args.penalize_env_failures,
-            tools=bool(self.tools),
-        )
-        if mode == "train":  # as TRL: evaluation tokens are not "seen"
-            self.state.num_input_tokens_seen += processed_once
-        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]  # TRL's: the running total
-        return {**metrics, "rollout/tokens_all_turns": float(every_turn)}
-
-    def _record_metrics(self, mode: str, metrics: dict[str, float]) -> None:
-        """Each metric combined over ranks (`CrossRankSync.combine`), appended to TRL's metric buffers."""
-        for key, value in self._sync.combine(metrics).items():
-            self._metrics[mode][key].append(value)
 
     # ------------------------------------------------------------------ evaluation (`evaluation`)
 
@@ -534,61 +344,31 @@ class BiPACETrainer(GRPOTrainer):
         )
         if result:
             evaluation.keep_result(
-                result, self.eval_history, log_now=self.log, log_later=self._metrics["train"],
+                result, self.eval_history, log_now=self.log, log_later=self.metric_buffer("train"),
                 output_dir=self.args.output_dir if self.accelerator.is_main_process else None,
             )
         return result
 
     # ------------------------------------------------------------------ checkpoints and card (`checkpointing`, `model_card`)
 
-    def _get_output_dir(self, trial):
-        return self._checkpoint_staging or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial):
-        """TRL's checkpoint, written atomically with the run's own state (`checkpointing.save_atomically`)."""
+    def run_state(self, buffer: dict[str, Any] | None) -> checkpointing.RunState:
+        """What a checkpoint saves besides TRL's files (`checkpointing.RunState`); `buffer`: TRL's
+        generation when saved mid-generation, with whether its update is skipped."""
         if self._overlap is not None:
             self._overlap.join()  # the prefetched generation is saved with the checkpoint
-
-        def trl_save(staging: Path) -> None:  # TRL's save, its output folder pointed at the staging folder
-            self._checkpoint_staging = str(staging)
-            try:
-                super(BiPACETrainer, self)._save_checkpoint(model, trial)
-            finally:
-                self._checkpoint_staging = None
-
-        self.saving_checkpoint = True  # a SIGTERM now waits for the save to end (`callbacks.GracefulStopCallback`)
-        try:
-            checkpointing.save_atomically(
-                Path(super()._get_output_dir(trial)), self._run_state(), trl_save, accelerator=self.accelerator,
-                args=self.args, step=self.state.global_step, best_model_checkpoint=self.state.best_model_checkpoint,
-                model_name=getattr(self.model.config, "_name_or_path", "") or "",
-            )
-        finally:
-            self.saving_checkpoint = False
-
-    def _run_state(self) -> checkpointing.RunState:
-        """What a checkpoint saves besides TRL's files (`checkpointing.RunState`)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        buffer = None
-        if self._step % generate_every and self._buffered_inputs is not None:  # saved mid-generation
-            buffer = {"step": self._step, "buffered_inputs": self._buffered_inputs, "skip_update": self._skip_update}
         return checkpointing.RunState(
             estimator=self.estimator.state_dict(), eval_history=self.eval_history,
-            env_counters=self.collector.env_counters("train"), buffer=buffer,
+            env_counters=self.collector.env_counters("train"),
+            buffer=None if buffer is None else {**buffer, "skip_update": self._skip_update},
             prefetched=self._overlap.state_dict() if self._overlap is not None else None,
         )
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        state = checkpointing.load_run_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
-        if state is None:
-            return
+    def restore_run_state(self, state: checkpointing.RunState) -> None:
         if state.estimator is not None:
             self.estimator.load_state_dict(state.estimator)
             self.eval_history = state.eval_history
         self.collector.resumed_env_counters = state.env_counters or self.collector.resumed_env_counters
         if state.buffer is not None:
-            self._step, self._buffered_inputs = state.buffer["step"], state.buffer["buffered_inputs"]
             self._skip_update = state.buffer["skip_update"]
         if state.prefetched is not None and self._overlap is not None:  # without max_staleness it plays again, now
             self._overlap.load_state_dict(state.prefetched)
@@ -612,5 +392,3 @@ class BiPACETrainer(GRPOTrainer):
     def close_envs(self) -> None:
         """Stop every env this trainer built (worker threads or processes, engines); call it when done."""
         self.collector.close()
-
-

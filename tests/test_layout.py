@@ -33,9 +33,10 @@ ALLOWED = {
     "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
     "shared_prefix": set(),
     "trl_advantages": set(),  # GRPOTrainer's own advantage for one-step (plain prompt) episodes
+    # GRPOTrainer's internals handed out as values: the trainer's base class
+    "trl_adapter": {"rollout", "run", "micro_batches", "trl_metrics", "trl_compat", "trl_advantages"},
     "trainer": {
-        "advantages", "rollout", "run", "reports", "config", "models", "micro_batches", "trl_metrics", "memory", "trl_compat",
-        "shared_prefix", "trl_advantages",
+        "advantages", "rollout", "run", "reports", "config", "models", "memory", "shared_prefix", "trl_adapter",
     },
     "__init__": {"config", "trainer", "rollout"},
 }

@@ -319,8 +319,8 @@ def test_the_trainers_loss_and_gradient_equal_the_plain_paths(tmp_path, loss_typ
     off_loss, off_grad = _step(_trainer(tmp_path, False, loss_type=loss_type, per_device_train_batch_size=4), inputs)
     trainer = _trainer(tmp_path, True, loss_type=loss_type, per_device_train_batch_size=4)
     on_loss, on_grad = _step(trainer, inputs)
-    assert trainer._shared_prefix.enabled and trainer._shared_prefix.checked
-    stats = trainer._shared_prefix.stats
+    assert trainer.shared_prefix.enabled and trainer.shared_prefix.checked
+    stats = trainer.shared_prefix.stats
     assert stats["tokens_shared"] < 0.75 * stats["tokens_plain"]
     assert on_loss == pytest.approx(off_loss, rel=1e-5, abs=1e-7)
     assert on_grad.keys() == off_grad.keys() and on_grad
@@ -367,14 +367,14 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
     inputs = _micro_batch()
     with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
         trainer = _trainer(tmp_path, True, model=model, per_device_train_batch_size=4)
-    assert trainer._shared_prefix is None and "takes no custom mask" in caplog.text  # off, said once
+    assert trainer.shared_prefix is None and "takes no custom mask" in caplog.text  # off, said once
     off_loss, off_grad = _step(trainer, inputs)
 
-    trainer._shared_prefix = SharedPrefixForward(trainer, "bool")  # as if the model claimed SDPA
+    trainer.shared_prefix = SharedPrefixForward(trainer, "bool")  # as if the model claimed SDPA
     caplog.clear()
     with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
         _step(trainer, inputs)
-    assert not trainer._shared_prefix.enabled and "differ from the plain path's" in caplog.text
+    assert not trainer.shared_prefix.enabled and "differ from the plain path's" in caplog.text
     # from then on the plain path, pieces included (this attention also reads the padding: the same pieces matter)
     loss, grad = _step(trainer, inputs)
     assert loss == pytest.approx(off_loss, rel=1e-6)

@@ -160,7 +160,7 @@ def _write_run_state(state: RunState, directory: Path, args: Any, rank: int, mod
     if state.buffer is not None:
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(state.buffer, directory / BUFFER_FILE.format(rank=rank))
-    if state.prefetched is not None:  # joined by the trainer's `_save_checkpoint`
+    if state.prefetched is not None:  # joined by the trainer's `run_state`
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(state.prefetched, directory / OVERLAP_FILE.format(rank=rank))
 

@@ -49,7 +49,7 @@ def run(out: str, shared: bool, tokenizer) -> dict:
     trainer.train()
     after = lora_state(trainer.accelerator.unwrap_model(trainer.model))
     trainer.close_envs()
-    forward = trainer._shared_prefix
+    forward = trainer.shared_prefix
     return {
         "delta": {name: after[name] - before[name] for name in before},
         "loss": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
