@@ -11,7 +11,8 @@ one seed removes how hard those tasks were. Per pair of presets and seed: traini
 averaged over the last 5 steps (up to `--at-step`) and validation success at that step (the
 last evaluation by default); then the mean difference over seeds with a Student-t 95% interval
 (n − 1 degrees of freedom). Runs from several JSONs are pooled (a later file never replaces a
-run already read); each run's host is in its JSON (`machine`).
+run already read); each run's host is in its JSON (`machine`). `--plot DIR` draws the pooled runs of
+each env as the study does (`DIR/learning_<env>.png`, every preset on one figure).
 """
 
 from __future__ import annotations
@@ -80,8 +81,30 @@ def main():
     parser.add_argument("--against", nargs="+", required=True)
     parser.add_argument("--split", default="valid", help="validation split (default: valid)")
     parser.add_argument("--at-step", type=int, help="compare up to this RL step (default: each run's end)")
+    parser.add_argument("--plot", type=Path, help="draw the pooled runs of each env into DIR/learning_<env>.png")
     args = parser.parse_args()
     print(table(load_runs(args.studies), args.preset, args.against, args.split, args.at_step))
+    if args.plot:
+        plot_pooled(args.studies, args.plot)
+
+
+def plot_pooled(paths: list[Path], out: Path) -> None:
+    """Each env's runs from every file, summarised and drawn with the first file's plan and warm start."""
+    from studies.learning.plan import EnvPlan
+    from studies.learning.report import plot_env
+    from studies.learning.stats import summarise_env
+
+    envs: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    for path in paths:
+        for name, env in json.loads(path.read_text())["envs"].items():
+            first, runs = envs.setdefault(name, (env, []))
+            seen = {(run["preset"], run["seed"]) for run in runs}
+            runs.extend(run for run in env["runs"] if (run["preset"], run["seed"]) not in seen)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (env, runs) in envs.items():
+        plan = EnvPlan(**{**env["plan"], "eval_splits": tuple(env["plan"]["eval_splits"])})
+        plot_env(name, summarise_env(plan, env["warm_start"], runs), runs, out / f"learning_{name}.png")
+        print(f"wrote {out / f'learning_{name}.png'}")
 
 
 if __name__ == "__main__":
