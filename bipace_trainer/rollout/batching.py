@@ -32,7 +32,11 @@ __all__ = ["TRLBatchSpec", "training_batch", "padded_tensors", "importance_sampl
 
 @dataclass
 class TRLBatchSpec:
-    """What building TRL's batch takes of the `GRPOTrainer`, handed over by the trainer."""
+    """What building TRL's batch takes of the `GRPOTrainer`, handed over by the trainer.
+
+    Settings are values read when the trainer is built (`GRPOAdapter.trl_batch_spec`): setting
+    TRL's attribute on the trainer afterwards (`trainer.vllm_importance_sampling_correction = False`)
+    changes the batch only once `trainer.batch_spec` is built again from it."""
 
     args: Any  # steps_per_generation, per_device_train_batch_size, gradient_accumulation_steps
     accelerator: Any

@@ -305,8 +305,8 @@ class TRLGeneration:
     unwrap: Callable[[torch.nn.Module], torch.nn.Module]  # accelerator.unwrap_model
     accelerator: Any
     args: Any
-    generation_config: GenerationConfig
-    generation_kwargs: dict[str, Any]
+    generation_config: GenerationConfig | None  # None under vLLM (TRL builds none)
+    generation_kwargs: dict[str, Any] | None
     eos_token_ids: list[int]
     step: Callable[[], int]  # the trainer's global step: the weights' version
     loaded_step: Callable[[int | None], int]  # TRL's `_last_loaded_step`: read (None) or set

@@ -73,12 +73,21 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropou
 
 
 class CapturingTrainer(BiPACETrainer):
-    """Keeps each generation's rollout, advantages and training batch in `captured`, and
-    whether its update was skipped in `skipped_updates`, for inspection."""
+    """Keeps each generation's rollout, advantages and training batch in `captured`, whether its
+    update was skipped in `skipped_updates`, and the hidden states of the estimator's input (None
+    when nothing was captured: the rollout's steps carry those of prefill capture, not those of
+    TRL's old-logprob pass under vLLM) in `captured_hidden`, for inspection."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.skipped_updates = []
+        self.skipped_updates, self.captured_hidden = [], []
+        estimate = self.estimator.estimate
+
+        def recorded(batch, **kwargs):
+            self._estimated_hidden = batch.hidden
+            return estimate(batch, **kwargs)
+
+        self.estimator.estimate = recorded
 
     def on_rollout(self, rollout, advantages, diagnostics):
         self._seen = (rollout, advantages.clone())
@@ -87,6 +96,7 @@ class CapturingTrainer(BiPACETrainer):
         output = super()._generate_and_score_completions(inputs)
         self.captured.append((*self._seen, dict(output)))
         self.skipped_updates.append(self._skip_update)
+        self.captured_hidden.append(getattr(self, "_estimated_hidden", None))
         return output
 
 

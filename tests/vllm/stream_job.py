@@ -105,16 +105,18 @@ def main() -> None:
                 "generate_calls": rollout.generate_calls,
                 "steps": [
                     {"traj": s.traj, "t": s.t, "completion_ids": s.completion_ids, "prompt_ids": s.prompt_ids,
-                     "logprobs": len(s.sampling_logprobs or []), "hidden": s.hidden is not None, "reply": s.reply}
+                     "logprobs": len(s.sampling_logprobs or []), "reply": s.reply}
                     for s in rollout.steps
                 ],
+                # the old-logprob pass's hidden states, one row per step, in the estimator's input
+                "hidden_rows": None if hidden is None else len(hidden),
                 "episode_lengths": [e.length for e in rollout.episodes],
                 "episodes_failed": [e.failed for e in rollout.episodes],
                 "nonzero_advantages": int((advantages != 0).sum()),
                 "has_is_ratio": "importance_sampling_ratio" in batch,
                 "batch_rows": int(batch["completion_ids"].shape[0]),
             }
-            for rollout, advantages, batch in trainer.captured
+            for (rollout, advantages, batch), hidden in zip(trainer.captured, trainer.captured_hidden)
         ],
         "losses": [e["loss"] for e in logs if "loss" in e and "train_loss" not in e],
         "weight_syncs": [e["vllm/weight_syncs"] for e in trained],

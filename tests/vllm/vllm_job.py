@@ -49,7 +49,7 @@ def main() -> None:
             ids = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left")
             mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left")
             reference = forward_hidden_states(self.model, ids, mask, self.args.cluster_layer)
-            captured = torch.stack([s.hidden for s in rollout.steps])
+            captured = self._estimated_hidden  # the old-logprob pass's: the estimator ran just before the hook
             self.hidden_gaps.append(float((captured - reference).abs().max()))
 
     tokenizer = make_tokenizer()
@@ -108,7 +108,8 @@ def main() -> None:
     engine_pushed = engine_logprobs(trainer.vllm_generation, probe_prompt, probe_completion)[0]
 
     # The correction switched off: the batch is what it was before the correction existed.
-    trainer.vllm_importance_sampling_correction = False
+    trainer.vllm_importance_sampling_correction = False  # TRL's setting, read once into the trainer's batch spec
+    trainer.batch_spec = trainer.trl_batch_spec(mask_cut_episodes=False)
     rows = trainer.train_dataset.select(range(2))
     inputs = [{"task_id": row["task_id"]} for row in rows for _ in range(config.num_generations)]
     uncorrected = trainer._generate_and_score_completions(inputs)
@@ -129,9 +130,10 @@ def main() -> None:
                 "sampling_logprobs_per_step": all(
                     s.sampling_logprobs is not None and len(s.sampling_logprobs) == len(s.completion_ids) for s in rollout.steps
                 ),
-                "all_steps_have_hidden": all(s.hidden is not None for s in rollout.steps),
+                "all_steps_have_hidden": hidden is not None and len(hidden) == len(rollout.steps),
             }
-            for (rollout, advantages, batch), skipped in zip(trainer.captured, trainer.skipped_updates)
+            for (rollout, advantages, batch), skipped, hidden in zip(trainer.captured, trainer.skipped_updates,
+                                                                     trainer.captured_hidden)
         ],
         "hidden_gaps": trainer.hidden_gaps,
         "lora_changed": any(not torch.equal(initial[n], final[n]) for n in initial),
