@@ -27,12 +27,14 @@ from typing import Any
 from scipy import stats
 
 
-def load_runs(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]:
+def load_runs(paths: list[Path], env: str | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+    """The runs of every file (of `env` only, if given), by (preset, seed); the first read wins."""
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for path in paths:
-        for env in json.loads(path.read_text())["envs"].values():
-            for run in env["runs"]:
-                runs.setdefault((run["preset"], run["seed"]), run)
+        for name, data in json.loads(path.read_text())["envs"].items():
+            if env is None or name == env:
+                for run in data["runs"]:
+                    runs.setdefault((run["preset"], run["seed"]), run)
     return runs
 
 
@@ -94,14 +96,13 @@ def plot_pooled(paths: list[Path], out: Path) -> None:
     from studies.learning.report import plot_env
     from studies.learning.stats import summarise_env
 
-    envs: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    envs: dict[str, dict[str, Any]] = {}
     for path in paths:
         for name, env in json.loads(path.read_text())["envs"].items():
-            first, runs = envs.setdefault(name, (env, []))
-            seen = {(run["preset"], run["seed"]) for run in runs}
-            runs.extend(run for run in env["runs"] if (run["preset"], run["seed"]) not in seen)
+            envs.setdefault(name, env)
     out.mkdir(parents=True, exist_ok=True)
-    for name, (env, runs) in envs.items():
+    for name, env in envs.items():
+        runs = list(load_runs(paths, env=name).values())
         plan = EnvPlan(**{**env["plan"], "eval_splits": tuple(env["plan"]["eval_splits"])})
         plot_env(name, summarise_env(plan, env["warm_start"], runs), runs, out / f"learning_{name}.png")
         print(f"wrote {out / f'learning_{name}.png'}")
