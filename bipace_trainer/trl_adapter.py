@@ -83,8 +83,9 @@ class GRPOAdapter(GRPOTrainer):
             generate_single_turn=self._generate_single_turn, tokenize_prompts=self._tokenize_for,
             tokenizer=self._tokenizer, processing_class=self.processing_class, model=lambda: self.model,
             model_wrapped=lambda: self.model_wrapped, unwrap=self.accelerator.unwrap_model, accelerator=self.accelerator,
-            args=self.args, generation_config=getattr(self, "generation_config", None),  # TRL sets these two only without vLLM
-            generation_kwargs=getattr(self, "generation_kwargs", None),
+            args=self.args,  # TRL builds the two generation settings only without vLLM
+            generation_config=None if self.use_vllm else self.generation_config,
+            generation_kwargs=None if self.use_vllm else self.generation_kwargs,
             eos_token_ids=self.eos_token_ids, step=lambda: self.state.global_step, loaded_step=loaded_step,
             summon_full_params=lambda: self._dist.summon_full_params(self.model_wrapped, recurse=False),
             profile=lambda name: profiling_context(self, name), vllm_generation=self.vllm_generation if self.use_vllm else None,
