@@ -120,6 +120,7 @@ class StepRecord:
     observation: str = ""  # what the env showed the agent before this step
     hidden: torch.Tensor | None = None
     sampling_logprobs: list[float | None] | None = None  # the generation backend's, per completion token
+    milestone: bool | None = None  # the env flagged this step as reaching a milestone (None: it says nothing)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class Episode:
     tool_calls: int = 0  # TRL's envs: the tool calls the episode made, and how many returned an error
     tool_failures: int = 0
     reward_terms: dict[str, float] = field(default_factory=dict)  # reward by source (TRL's reward_func_names), unweighted
+    milestones: tuple[str, ...] | None = None  # the task's milestone plan, when the env gave one at reset
 
 
 @dataclass
@@ -164,6 +166,9 @@ class Rollout:
         if hidden is None and steps and all(s.hidden is not None for s in steps):
             hidden = torch.stack([s.hidden for s in steps])
         last_of_cut = {e.traj: e.length - 1 for e in self.episodes if e.truncated}  # the turn budget ended these
+        plans = {e.traj: e.milestones for e in self.episodes}
+        has_plans = any(plans[s.traj] is not None for s in steps)
+        has_flags = has_plans or any(s.milestone is not None for s in steps)
         return StepBatch(
             group=[s.group for s in steps],
             traj=[s.traj for s in steps],
@@ -174,6 +179,9 @@ class Rollout:
             action_key=[s.action_key for s in steps],
             hidden=hidden,
             truncated=[last_of_cut.get(s.traj) == s.t for s in steps],
+            milestone=[bool(s.milestone) for s in steps] if has_flags else None,
+            milestone_plan=[plans[s.traj] for s in steps] if has_plans else None,
+            action_text=[s.action for s in steps],
         )
 
     def without_failed_episodes(self) -> "Rollout":
