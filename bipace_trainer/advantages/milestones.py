@@ -36,7 +36,9 @@ __all__ = ["MILESTONE_SCALE", "match_milestones", "with_plan_flags", "segment_in
 MILESTONE_SCALE = 10.0  # the reference's 10 · γ^d ("GiGPO's [0, 10] scale")
 
 
-def match_milestones(actions: Sequence[str], plan: Sequence[str], threshold: float) -> list[bool]:
+def match_milestones(
+    actions: Sequence[str], plan: Sequence[str], threshold: float, cache: dict[tuple[str, str], bool] | None = None
+) -> list[bool]:
     """BEACON's in-order match of a trajectory's actions against its task's milestone plan.
 
     For each action in order, while milestones remain: it reaches milestone k (the first one not
@@ -48,15 +50,21 @@ def match_milestones(actions: Sequence[str], plan: Sequence[str], threshold: flo
         actions: the trajectory's actions, t = 0..L-1.
         plan: the task's milestone actions, in order.
         threshold: difflib ratio in (0, 1] (BEACON's scripts: 0.95).
+        cache: (action, milestone) -> match, shared by the calls on one batch: the G rollouts of a
+            task repeat their actions, and a difflib ratio is the slow part.
     Returns:
         L flags, True at the steps that reached a milestone.
     """
+    cache = {} if cache is None else cache
     flags = [False] * len(actions)
     k = 0
     for t, action in enumerate(actions):
         if k >= len(plan):
             break
-        if SequenceMatcher(None, action, plan[k]).ratio() >= threshold:
+        pair = (action, plan[k])
+        if pair not in cache:
+            cache[pair] = SequenceMatcher(None, action, plan[k]).ratio() >= threshold
+        if cache[pair]:
             flags[t] = True
             k += 1
     return flags
@@ -72,6 +80,7 @@ def with_plan_flags(batch: StepBatch, layout: BatchLayout, threshold: float) -> 
     flags = batch.milestone.clone() if batch.milestone is not None else torch.zeros(len(batch), dtype=torch.bool)
     order = torch.argsort(layout.grid_position)  # (traj, t): each trajectory's steps in order
     bounds = torch.cumsum(layout.traj_length, 0).tolist()
+    cache: dict[tuple[str, str], bool] = {}
     start = 0
     for end in bounds:
         rows = order[start:end]
@@ -80,7 +89,7 @@ def with_plan_flags(batch: StepBatch, layout: BatchLayout, threshold: float) -> 
         if plan_id < 0:
             continue
         actions = [batch.action_text[i] for i in rows.tolist()]
-        flags[rows] = torch.tensor(match_milestones(actions, batch.milestone_plans[plan_id], threshold))
+        flags[rows] = torch.tensor(match_milestones(actions, batch.milestone_plans[plan_id], threshold, cache))
     resolved = copy.copy(batch)
     resolved.milestone = flags
     return resolved
