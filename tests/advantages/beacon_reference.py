@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from .gigpo_reference import _group_normalise
+from .graphgpo_reference import _step_norm
 
 
 def are_similar(a, b, threshold=0.85):
@@ -163,23 +164,9 @@ def static_segment_ids(actions, traj_uid, trial_id, loader, gamma, threshold):
 
 
 def segment_norm_reward(step_rewards, group_uids, remove_std, exact_mean):
-    scores = step_rewards.clone()
-    id2score = defaultdict(list)
-    for i in range(len(scores)):
-        id2score[group_uids[i]].append(scores[i])
-    stats = {}
-    for uid, group_scores in id2score.items():
-        stacked = torch.stack(group_scores)
-        if len(group_scores) == 1:
-            stats[uid] = (torch.mean(stacked), torch.tensor(1.0, dtype=scores.dtype))
-        elif exact_mean:
-            stats[uid] = (stacked[0] + torch.mean(stacked - stacked[0]), torch.std(stacked))
-        else:
-            stats[uid] = (torch.mean(stacked), torch.std(stacked))
-    for i in range(len(scores)):
-        mean, std = stats[group_uids[i]]
-        scores[i] = scores[i] - mean if remove_std else (scores[i] - mean) / (std + 1e-6)
-    return scores
+    """BEACON's `segment_norm_reward` is GiGPO's `step_norm_reward` line for line (a group of one row:
+    mean = its score, std 1; else torch mean and unbiased std), with `exact_mean` as in `graphgpo_reference`."""
+    return _step_norm(step_rewards, list(group_uids), remove_std, exact_mean)
 
 
 def beacon_advantages(
