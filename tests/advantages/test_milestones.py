@@ -126,3 +126,11 @@ def test_settings_say_what_the_rollout_must_record():
     assert resolve_settings("gigpo", step_return="milestone").rollout_needs == {"anchor", "milestone"}
     assert resolve_settings("beacon", w_step=0.0).rollout_needs == frozenset()  # no step term: nothing to record
     assert not resolve_settings("bipace_q").uses_milestones
+
+
+def test_the_diagnostics_count_the_milestones_reached():
+    batch = StepBatch(group=[0] * 5, traj=[0, 0, 0, 1, 1], t=[0, 1, 2, 0, 1], reward=[0.0] * 5,
+                      milestone=[True, False, True, False, False])  # fmt: skip
+    diagnostics = compute_advantages(batch, resolve_settings("beacon"))[1]
+    assert diagnostics["milestone/per_episode"] == 1.0 and diagnostics["milestone/step_frac"] == 0.4
+    assert "milestone/per_episode" not in compute_advantages(batch, resolve_settings("grpo"))[1]
