@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python -m studies.oracle.study --env alfworld    # (~45 min together on a loaded 2-core machine)
     OMP_NUM_THREADS=1 python -m studies.oracle.study --size ci         # CI size (~40 s of CPU, tiny random model)
     OMP_NUM_THREADS=1 python -m studies.oracle.study --size hierarchy --env textcraft   # HGPO rows, no hidden states
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --size evidence --out studies/oracle/results/beacon   # issue 58's rows
     python -m studies.oracle.study --report studies/oracle/results/oracle_study_*.json   # tables and plots of finished runs
     OMP_NUM_THREADS=1 python -m studies.oracle.study --env textcraft --variation 0 0.5 1   # surface-variation rows
                                                                                     # (studies/oracle/variation.py)
@@ -149,6 +150,20 @@ SIZES = {
                 env_kwargs={"source": "auto"},  # official games when $ALFWORLD_DATA has them
             ),
         }
+    ),
+    # Issue 58's rows (BEACON, PACE-Q with evidence; docs/results/beacon.md): the "full" batches and their
+    # pretrained hidden states at the presets' layer only, no random-init control and no ε sweep over layers
+    "evidence": Size(
+        envs={
+            "textcraft": EnvSize(
+                tasks=2, max_turns=30, expert_probs=(0.2, 0.5, 0.7, 0.9), seeds=(0, 1, 2, 3, 4),
+                hidden=((0, 0.7), (1, 0.7), (2, 0.7)),
+            ),
+            "alfworld": EnvSize(
+                tasks=2, max_turns=50, seeds=(0, 1), hidden=((0, 0.7), (1, 0.7)), env_kwargs={"source": "auto"},
+            ),
+        },
+        layers=(-12,),
     ),
     # HGPO's rows (context consistency, accuracy with and without the hierarchy) without the
     # hidden-state forward passes that dominate "full": hash and true-state partitions only
