@@ -272,3 +272,22 @@ def test_before_and_final_have_their_own_markers_and_overlapping_intervals_are_s
     finally:
         plt.Axes.errorbar = original
     assert len(set(drawn)) == 2 and (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_the_learning_curves_legend_is_off_the_data(tmp_path, monkeypatch):
+    """Inside the axes (upper left) it covered the evaluation before training, at step 0."""
+    import matplotlib.pyplot as plt
+
+    from bipace_trainer.reports.run_summary import plot_learning_curve
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    log = [{"step": s, "episode/success_rate": r, "loss": 0.1 * s} for s, r in ((1, 0.375), (2, 0.5), (3, 1.0))]
+    plot_learning_curve(report.learning_curve(log), tmp_path / "curve.png", _evaluations(3, 4), "a title")
+    (figure,) = figures
+    figure.canvas.draw()
+    legends = figure.legends + [axes.get_legend() for axes in figure.axes if axes.get_legend() is not None]
+    assert len(legends) == 1
+    box = legends[0].get_window_extent()
+    assert not any(box.overlaps(axes.get_window_extent()) for axes in figure.axes)
+    close(figure)

@@ -529,7 +529,8 @@ def run() -> None:
     with quiet:
         script_args, training_args, model_args = parse_args()
     if script_args.print_config:
-        print(resolved_config(script_args, training_args, model_args))
+        if preflight.is_main_rank():  # once, however many processes the launcher started
+            print(resolved_config(script_args, training_args, model_args))
         sys.exit(0)
     if script_args.precision and preflight.is_main_rank():
         print(script_args.precision, flush=True)

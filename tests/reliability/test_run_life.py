@@ -200,3 +200,21 @@ def test_a_full_disk_during_the_final_save_is_one_line_and_the_trained_weights_a
     kept = Path(errors[0].split("kept: the final model in ")[1].split(" (move its files")[0])
     assert kept.parent == spare and f"the run's evaluations and log (eval_results.json, trainer_state.json) in {out}" in errors[0]
     assert_same_weights(kept, straight)  # the trained weights are not lost
+
+
+def test_bipace_eval_of_a_run_writes_into_the_run_and_its_rebuilt_report_shows_it_under_its_title(
+    straight, warm_policy_dir, tmp_path
+):
+    """Before: the tables went to ./outputs/bipace_eval (the current folder), the report never showed them, no
+    threads line was printed, and a report rebuilt by bipace-report was titled by the folder's name."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    done = run([sys.executable, "-m", "bipace_trainer.cli.evaluate", str(out), "--seeds", "1", "--no_progress", "--use_cpu"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[0].startswith("threads: torch uses ")
+    assert (out / "bipace_eval" / "bipace_eval.json").is_file() and not (ROOT / "outputs" / "bipace_eval" / "run").exists()
+    rebuilt = run([sys.executable, "-m", "bipace_trainer.reports.report", str(out)])
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    page = (out / "report.html").read_text()
+    assert "<h3>bipace_eval/bipace_eval.json: run</h3>" in page
+    assert f"<title>{warm_policy_dir} on tests.reliability.faulty_envs:SigtermEnv, grpo</title>" in page  # not "Run run"
