@@ -65,6 +65,7 @@ def test_the_cpu_config_trains_one_step_with_two_processes(raw_tiny_dir, tmp_pat
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 1
     assert proc.stdout.count("=== summary ===") == 1  # rank 0 prints the summary, once
+    assert "FutureWarning" not in proc.stdout + proc.stderr  # TRL's and DeepSpeed's deprecated names, filtered
     assert (tmp_path / "run" / "model.safetensors").exists() or list((tmp_path / "run").glob("*.safetensors"))
 
 

@@ -35,6 +35,11 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 warnings.filterwarnings(
     "ignore", message=r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated", category=FutureWarning
 )
+# DeepSpeed's ZeRO gathers through a torch.distributed name torch 2.13 deprecates: once per rank under
+# accelerate_config_cpu.yaml, nothing a user of train.py can change.
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+)
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
