@@ -21,7 +21,7 @@ from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, r
 from .rollout.loop import ROLLOUT_MODES
 from .trl_advantages import AGGREGATIONS
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
 _BIPACE = "https://github.com/TianxiangZhao/BiPACE"
 DEFAULT_ENV = "textcraft"
@@ -145,6 +145,22 @@ def _is_finite_number(value: Any) -> bool:
         return math.isfinite(float(value))
     except (TypeError, ValueError):
         return False
+
+
+def batch_shape_fix(tasks: int, generations: int, per_device: int, world: int) -> str:
+    """The one flag that makes `tasks` × `generations` rows fill whole batches of `per_device` × `world`
+    rows with whole task groups on every process: more tasks (a multiple of the processes) when the task
+    groups do not split evenly across them (only that fixes both), else a smaller per-process batch, with
+    more tasks as the alternative."""
+    more = next((t for t in range(tasks, tasks + 64 * world) if t % world == 0 and t * generations % (per_device * world) == 0), None)
+    fewer = next((b for b in range(per_device, 0, -1) if tasks * generations % (b * world) == 0), None)
+    options = [f"--tasks_per_iteration {more}" if more else None]
+    if tasks % world == 0:  # the groups split evenly already: keep the run's size, cut its batches
+        options.insert(0, f"--per_device_train_batch_size {fewer}" if fewer else None)
+    options = [option for option in options if option]
+    if not options:
+        return f"pick per_device_train_batch_size ({per_device}) × processes ({world}) so that it divides that product."
+    return f"pass {options[0]}" + (f" (or {options[1]})" if len(options) > 1 else "") + "."
 
 
 @dataclass
@@ -625,8 +641,9 @@ class BiPACEConfig(GRPOConfig):
                 raise
             raise ValueError(
                 f"{err} Here generation_batch_size = tasks_per_iteration × num_generations = "
-                f"{self.tasks_per_iteration} × {self.num_generations}: pick per_device_train_batch_size "
-                f"({self.per_device_train_batch_size}) × processes so that it divides that product."
+                f"{self.tasks_per_iteration} × {self.num_generations}: "
+                + batch_shape_fix(self.tasks_per_iteration, self.num_generations, self.per_device_train_batch_size,
+                                  self.world_size)
             ) from None
         if self.printing_only:
             self.bf16, self.fp16 = precision

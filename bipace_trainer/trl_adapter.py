@@ -51,6 +51,7 @@ class GRPOAdapter(GRPOTrainer):
     one_step = False
     # True while a checkpoint is written: a SIGTERM then waits for it (`callbacks.GracefulStopCallback`)
     saving_checkpoint = False
+    final_rng: dict[str, Any] | None = None  # the generators as the final evaluation began (`save_stopped_end`)
     _checkpoint_staging: str | None = None
 
     # ------------------------------------------------------------------ what the rollout gets
@@ -281,8 +282,36 @@ class GRPOAdapter(GRPOTrainer):
         finally:
             self.saving_checkpoint = False
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Transformers' save, then the subclass's card (`create_model_card`) over the blank one PEFT writes next to
+        an adapter (a checkpoint keeps PEFT's); into output_dir written atomically (`checkpointing.save_final_model`)."""
+        target = Path(output_dir or self.args.output_dir)
+        if _internal_call and target != Path(self.args.output_dir):  # a checkpoint's staging folder
+            return super().save_model(output_dir, _internal_call)
+
+        def write(folder: Path) -> None:
+            super(GRPOAdapter, self).save_model(str(folder), _internal_call)
+            self.create_model_card(output_dir=folder)
+
+        checkpointing.save_final_model(target, write, accelerator=self.accelerator)
+
+    def save_stopped_end(self) -> None:
+        """A SIGTERM stopped the final evaluation (`final_rng` taken as it began): without a checkpoint of this
+        step the trained weights would be lost, so one is saved, with the generators as they were when that
+        evaluation began; resumed, the run trains nothing and plays the final evaluation the uninterrupted
+        run played."""
+        step = self.state.global_step
+        if self.final_rng is None or (Path(self.args.output_dir) / f"checkpoint-{step}").is_dir():
+            return
+        checkpointing.set_rng_state(self.final_rng)
+        self._save_checkpoint(self.model, trial=None)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.state.global_step >= self.state.max_steps > 0:
+            # resumed at its end (`get_batch_samples` trains nothing): transformers restores the generators only
+            # when its epoch loop runs; the final evaluation must start where the uninterrupted run's did
+            self._load_rng_state(checkpoint)
         state = checkpointing.load_run_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
         if state is None:
             return
