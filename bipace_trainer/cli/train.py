@@ -500,11 +500,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
         parser = make_parser(main_job="--config" not in argv, env_name=env_name, printing="--print_config" in argv)
         if preflight.deepspeed_on_cpu():  # else "train_batch_size 2 != 2 * 1 * 2" once the model has loaded
             parser.set_defaults(use_cpu=True)
+        if not torch.cuda.is_available():  # the CLI's precision on a CPU (BiPACEConfig's bf16 is GRPOConfig's)
+            parser.set_defaults(bf16=False)
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
         usage_error(str(err))
     script_args.recipe = recipe
     script_args.explicit = explicit_settings(argv, recipe)
+    if not torch.cuda.is_available() and "bf16" not in script_args.explicit and preflight.is_main_rank():
+        print("No CUDA GPU: training in float32 (--bf16 true --use_cpu true trains in bf16 on the CPU).", file=sys.stderr)
     return script_args, training_args, model_args
 
 

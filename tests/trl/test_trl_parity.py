@@ -70,6 +70,31 @@ def test_trls_batch_arguments_give_trls_schedule(batch):
     assert ours.tasks_per_iteration == grpo.generation_batch_size // grpo.num_generations  # derived, not imposed
 
 
+def _precision(config_class, **values) -> tuple:
+    """(bf16, fp16) as `config_class` resolves them, or the error it raises."""
+    try:
+        config = config_class(**{**COMMON, **values})
+    except ValueError as err:
+        return ("refused", "bf16" in str(err) or "fp16" in str(err))
+    return (config.bf16, config.fp16)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "bf16-gpu"])
+def test_bf16_resolves_as_grpo_config_resolves_it(gpu, monkeypatch):
+    """Every use_cpu / bf16 / fp16 combination, on a machine with and without a bf16 GPU (transformers'
+    check, patched): the same precision, or a refusal of both, so a switched script trains as it did."""
+    import transformers.training_args
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: gpu)
+    for use_cpu in (False, True):
+        for bf16 in (None, True, False):
+            for fp16 in (False, True):
+                values = dict(use_cpu=use_cpu, bf16=bf16, fp16=fp16)
+                assert _precision(BiPACEConfig, **values) == _precision(GRPOConfig, **values), values
+    assert _precision(BiPACEConfig, use_cpu=True) == (True, False)  # TRL's default: bf16, on the CPU too
+    assert _precision(BiPACEConfig, use_cpu=False) == ((True, False) if gpu else ("refused", True))
+
+
 def test_our_knob_still_sets_the_generation_and_a_conflict_names_both():
     assert BiPACEConfig(**COMMON, tasks_per_iteration=3, num_generations=4, per_device_train_batch_size=4).generation_batch_size == 12
     with pytest.raises(ValueError, match="tasks_per_iteration=3 .* generation_batch_size / steps_per_generation give 8"):
@@ -525,11 +550,16 @@ def _completions(batch) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [
-    {}, {"scale_rewards": "none"}, {"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"},
-], ids=["default", "scale-none", "scale-batch", "normalize-then-sum"])
-def test_a_plain_grpo_script_trains_as_grpo_trainer_does(config, thermostat_policy_dir, tmp_path, monkeypatch):
-    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case="prompts", max_steps=2, **config)
+@pytest.mark.parametrize("case, config", [
+    ("prompts", {}), ("prompts", {"scale_rewards": "none"}), ("prompts", {"scale_rewards": "batch"}),
+    ("prompts", {"multi_objective_aggregation": "normalize_then_sum"}),
+    # our evaluation before and after training plays the eval_dataset's rows: it leaves the random streams alone
+    ("prompts+eval_dataset", {}),
+], ids=["default", "scale-none", "scale-batch", "normalize-then-sum", "eval-dataset"])
+def test_a_plain_grpo_script_trains_as_grpo_trainer_does(case, config, thermostat_policy_dir, tmp_path, monkeypatch):
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case=case, max_steps=2, **config)
+    if case == "prompts+eval_dataset":
+        assert [e["tag"] for e in ours.eval_history] == ["before", "final"] and not grpo.state.log_history[0].get("eval_loss")
     assert ours.generations == grpo.generations == [8] and ours.state.global_step == grpo.state.global_step == 2
     theirs, mine = grpo.batches[0], ours.batches[0]
     # the same seed samples the same completions, scored by the same reward functions...
