@@ -500,7 +500,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
         parser = make_parser(main_job="--config" not in argv, env_name=env_name, printing="--print_config" in argv)
         if preflight.deepspeed_on_cpu():  # else "train_batch_size 2 != 2 * 1 * 2" once the model has loaded
             parser.set_defaults(use_cpu=True)
-        if not torch.cuda.is_available():  # the CLI's precision on a CPU (BiPACEConfig's bf16 is GRPOConfig's)
+        if not torch.cuda.is_available() and not {"-h", "--help"} & set(argv):
+            # the CLI's precision on a CPU (BiPACEConfig's bf16 is GRPOConfig's); --help shows the config's default
             parser.set_defaults(bf16=False)
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
