@@ -22,7 +22,7 @@ from .trl_advantages import AGGREGATIONS
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM"]
 
-_BIPACE = "https://github.com/TianxiangZhao/BiPACE"
+_BIPACE = "https://arxiv.org/abs/2606.25556"
 DEFAULT_ENV = "textcraft"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
 _HGPO = "https://arxiv.org/abs/2602.22817"
