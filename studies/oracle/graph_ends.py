@@ -44,7 +44,7 @@ OUT = Path("studies/oracle/results/graph_ends")
 CHANGED = 1e-4  # an advantage that moved by more than float32 noise
 SCRIPTED = {  # the oracle study's sizes: tasks per batch, turn budget, seeds, expert probabilities
     "textcraft": dict(tasks=4, max_turns=30, seeds=(0, 1, 2, 3, 4), expert_probs=(0.2, 0.5, 0.7, 0.9), env_kwargs={}),
-    "alfworld": dict(tasks=2, max_turns=50, seeds=(0, 1), expert_probs=(0.5, 0.7, 0.9), env_kwargs={"source": "auto"}),
+    "alfworld": dict(tasks=2, max_turns=50, seeds=(0, 1), expert_probs=(0.2, 0.5, 0.7, 0.9), env_kwargs={"source": "auto"}),
 }
 
 

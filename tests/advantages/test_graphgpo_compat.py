@@ -1,4 +1,6 @@
-"""`graphgpo` reproduces verl-agent's GraphGPO (`recipe/GraphGPO/core_graph.py`) to 1e-5.
+"""`graphgpo` reproduces verl-agent's GraphGPO (`recipe/GraphGPO/core_graph.py`): its algorithm (float64,
+means of equal values exact) to 1e-5, its float32 arithmetic to 2e-4 but on cells of equal returns
+(docs/results/fidelity.md); also on batches the rollout itself played, the env's replay as the reference's input.
 
 The reference is transcribed in `graphgpo_reference.py` (upstream commit 234a913). The
 compatibility setting is the `graphgpo` preset with `episode_stats="steps"` (GiGPO's episode
