@@ -224,3 +224,25 @@ def test_main_job_eval_bench_plays_every_held_out_goal_the_asked_number_of_times
     assert [r["label"] for r in results] == ["adapter", "adapter-2"] and results[0]["per_seed"] == results[1]["per_seed"]
     written = json.loads((tmp_path / "eval" / "bipace_eval.json").read_text())
     assert written["paired"][0]["difference"] == 0.0 and written["protocol"]["seeds"] == [123, 456, 789]
+
+
+def test_the_fingerprint_of_a_large_embedding_stays_inside_it():
+    """SmolLM2-135M's embedding holds 49,152 × 576 = 28,311,552 values: float32 rounds the last of 64 evenly
+    spaced positions to 28,311,552, one past the end (every `--warm_start_steps` run of the embedded model
+    stopped there)."""
+    import torch
+
+    from bipace_trainer.run.warm_start import base_fingerprint
+
+    class Embedded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(49_152, 576)
+            with torch.no_grad():
+                self.embed.weight.view(-1)[-1] = 7.0  # the last value: the fingerprint's last entry
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    fingerprint = base_fingerprint(Embedded())
+    assert len(fingerprint) == 64 and fingerprint[-1] == 7.0
