@@ -10,7 +10,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from trl import GRPOConfig
 
 from envs.base import EnvUnavailableError, resolve_env_class
@@ -23,7 +22,7 @@ from .trl_advantages import AGGREGATIONS
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
-_BIPACE = "https://github.com/TianxiangZhao/BiPACE"
+_BIPACE = "https://arxiv.org/abs/2606.25556"
 DEFAULT_ENV = "textcraft"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
 _HGPO = "https://arxiv.org/abs/2602.22817"
@@ -623,9 +622,9 @@ class BiPACEConfig(GRPOConfig):
         ours = self.tasks_per_iteration is not None  # else TRL's schedule, tasks derived from it below
         if ours and self.generation_batch_size is None and self.steps_per_generation is None:
             self.generation_batch_size = self.tasks_per_iteration * self.num_generations
-        if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
-            # TRL defaults to bf16, which transformers refuses on a CPU-only machine: train in fp32 there.
-            self.bf16 = False
+        # bf16 resolves as GRPOConfig resolves it (True unless fp16, also with use_cpu): a TRL script
+        # switched to this class keeps its precision. A CPU without use_cpu refuses it, as transformers
+        # does (below, in words that name the fix); `train.py` chooses float32 on a CPU itself.
         precision = (self.bf16, self.fp16)
         if self.printing_only:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
             self.bf16 = self.fp16 = False
@@ -634,8 +633,9 @@ class BiPACEConfig(GRPOConfig):
         except ValueError as err:
             if "bf16/gpu" in str(err):  # transformers' message names neither the field nor the fix
                 raise ValueError(
-                    "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible: run on a GPU, "
-                    "or on this CPU add --bf16 false (float32) or --use_cpu true (bf16 on the CPU)."
+                    "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible (bf16 is GRPOConfig's "
+                    "default unless fp16): run on a GPU, or on this CPU set bf16=False (--bf16 false: float32) or "
+                    "use_cpu=True (--use_cpu true: bf16 on the CPU)."
                 ) from None
             if "divisible" not in str(err) or not ours:
                 raise

@@ -246,6 +246,7 @@ class BiPACETrainer(GRPOAdapter):
             resamples=outcome.attempts if self.args.resample_without_signal else None,
             weight_syncs=self.policy.weight_syncs.count if self.use_vllm else None,
             global_step=self.state.global_step if self._overlap is not None else None,
+            skip_without_signal=self.skip_update_without_signal,
         )
         self.record_metrics("train", self._sync.combine(metrics))
         covered = self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps

@@ -216,19 +216,21 @@ class GRPOAdapter(GRPOTrainer):
 
     def trl_metrics(self, rollout: Rollout, mode: str, trl_rewards: bool) -> dict[str, float]:
         """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token counts:
-        TRL's `num_tokens` (the running total of tokens the model processed, each once) and ours,
-        `rollout/tokens_all_turns` (this generation's prompt and completion tokens, every turn's prompt
-        whole). `trl_rewards`: scored by TRL's `reward_funcs` (else by the env, TRL's `env_reward`)."""
+        TRL's `num_tokens` (the running total of prompt and model-generated tokens, as TRL counts them:
+        `trl_metrics.trl_token_count`) and ours, `rollout/tokens_processed` (every token the model read
+        or wrote, once: tool results too) and `rollout/tokens_all_turns` (every turn's prompt whole).
+        `trl_rewards`: scored by TRL's `reward_funcs` (else by the env, TRL's `env_reward`)."""
         names = self.reward_func_names if trl_rewards else ["env_reward"]
-        metrics, processed_once, every_turn = generation_trl_metrics(
+        metrics, tokens = generation_trl_metrics(
             rollout, names, [*self.eos_token_ids, self._tokenizer.pad_token_id], self.accelerator,
             single_source=None if trl_rewards else names[0], failed_scored=self.args.penalize_env_failures,
             tools=bool(self.tools),
         )
         if mode == "train":  # as TRL: evaluation tokens are not "seen"
-            self.state.num_input_tokens_seen += processed_once
+            self.state.num_input_tokens_seen += tokens["trl"]
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]  # TRL's: the running total
-        return {**metrics, "rollout/tokens_all_turns": float(every_turn)}
+        return {**metrics, "rollout/tokens_processed": float(tokens["processed"]),
+                "rollout/tokens_all_turns": float(tokens["all_turns"])}
 
     def metric_buffer(self, mode: str) -> dict[str, list]:
         """TRL's buffer of `mode`'s metrics, averaged into its next log."""

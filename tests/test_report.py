@@ -62,7 +62,8 @@ def run_dir(tmp_path):
     step1 = [  # cell 5 holds episode 0 turn 0, episode 1 turn 0 and episode 2 turn 1; cell 9 only episode 0 turn 1
         _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED, levels=LEVELS),
                                 _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
-        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE, levels=LEVELS_HOSTILE)]),
+        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE, levels=LEVELS_HOSTILE)],
+                 final_observation=f"the end {HOSTILE}"),
         _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE),
                                  _turn(1, "left", 0.0, -0.2, 5, levels=HOSTILE)]),
     ]
@@ -84,6 +85,8 @@ def test_the_page_holds_every_episode_escaped_with_cells_and_offline(run_dir):
     page = report.build_report(run_dir, report_key="task_type")
     assert HOSTILE not in page and "<img src=x" not in page and "window.__pwned=2</script>" not in page
     assert page.count('<details class="episode"') == 4
+    # what the env returned after the last action, escaped, for the one episode whose dump has it
+    assert page.count('<p class="end">') == 1 and f"the end {report.escape_text(HOSTILE)}</pre></p>" in page
     # no resource is fetched: no <script src>, <link>, <img> or CSS url() anywhere in the page
     assert not re.search(r"<script[^>]*\ssrc=|<link\b|<img\b|url\(https?:", page)
     assert "Plotly.newPlot" in page and page.count("<script") >= 3  # plotly inlined, then the figures and our code

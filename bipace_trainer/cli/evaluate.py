@@ -279,6 +279,7 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
         trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
+        bf16=False,  # nothing is trained: no mixed precision (GRPOConfig's default refuses a CPU without use_cpu)
         model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
     )  # fmt: skip
     if settings.use_vllm:

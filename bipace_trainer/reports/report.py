@@ -18,8 +18,9 @@ What the page reads from the run's output directory (nothing else, no network):
   state partition's cell, the steps its baseline compared it with); the PACE branch, GAGPO's
   GAE terms (V̄, next V̄, δ, their discounted sum, the centred penalty, the group's mean and
   std), HGPO's context levels (per level k: its cell, the cell's size, a_k, whether it entered
-  the weighted mean) and any other per-turn field a dump carries are shown. Filters select episodes by dump
-  (the step), outcome and task type.
+  the weighted mean) and any other per-turn field a dump carries are shown, and after the last turn what
+  the env returned after the last action (`end`). Filters select episodes by dump (the step), outcome
+  and task type.
 
 The curves are plotly figures whose JavaScript is inlined once (`plotly.offline.get_plotlyjs`),
 so the page opens offline. Every env or model text is HTML-escaped with its control characters
@@ -460,11 +461,13 @@ def episode_html(episode: dict[str, Any], dump_index: int, dump_name: str, key: 
     head = "".join(f"<th>{h}</th>" for h in ("turn", "observation", "reply", "action", "reward", "return R<sub>t</sub>",
                                              "advantage", "cell", "credit"))  # fmt: skip
     failure = f'<p class="failure">env failure: {escape_text(episode.get("failure"))}</p>' if episode.get("failure") else ""
+    end = episode.get("final_observation")  # what the env returned after the last action
+    end = f'<p class="end">end: {_pre(end, "obs")}</p>' if end is not None else ""
     return (
         f'<details class="episode" id="{anchor}" data-dump="{dump_index}" data-outcome="{escape_text(result)}" '
         f'data-type="{escape_text(kind)}"><summary>{summary}</summary>'
         f'<p class="task">{escape_text(episode.get("task"))}</p>{failure}'
-        f'<table class="turns"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></details>'
+        f'<table class="turns"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>{end}</details>'
     )
 
 
