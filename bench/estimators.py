@@ -11,8 +11,10 @@ hash and hidden partitions both find non-trivial cells (ε = 0.1). The reference
 transcription of verl-agent's GiGPO in tests/advantages/gigpo_reference.py (quadratic
 return computation), timed on the same batch; the HGPO presets are timed against
 verl-agent's HGPO (tests/advantages/hgpo_reference.py, K = 2, the same batch), the graph
-presets against verl-agent's GraphGPO (tests/advantages/graphgpo_reference.py). Prints a
-table and writes JSON.
+presets against verl-agent's GraphGPO (tests/advantages/graphgpo_reference.py), `beacon` against
+BEACON's `core_migpo.py` (tests/advantages/beacon_reference.py): on milestone flags (each step
+reaches one with probability 0.1), and as `beacon (plan)` on a static plan of 6 of the 6 actions
+per task group, matched by difflib as BEACON matches it. Prints a table and writes JSON.
 
 `--clustering` times the hidden partition's leader clustering (ε = 0.1, width 3,584, 16
 groups of 8 × 50 steps) at 30, 170 and 400 distinct states per group, the code as it is
@@ -41,6 +43,7 @@ from bipace_trainer.advantages import (
 )
 from bipace_trainer.advantages import partition as partition_module
 from bipace_trainer.advantages.partition import hidden_partition
+from tests.advantages.beacon_reference import beacon_advantages
 from tests.advantages.gigpo_reference import gigpo_advantages
 from tests.advantages.graphgpo_reference import graphgpo_advantages
 from tests.advantages.hgpo_reference import hgpo_advantages
@@ -48,7 +51,9 @@ from tests.advantages.hgpo_reference import hgpo_advantages
 ROOT = Path(__file__).resolve().parents[1]
 
 ROLLOUTS, LENGTH, STATES = 8, 50, 30
-SCALED = ("gigpo", "bipace_q", "gagpo", "hgpo", "graphgpo")  # presets whose time is measured over batch sizes
+SCALED = ("gigpo", "bipace_q", "gagpo", "hgpo", "graphgpo", "beacon")  # presets whose time is measured over batch sizes
+ACTIONS = [f"take object {k} from place {k}" for k in range(6)]  # the action keys as text, for BEACON's plan match
+PLAN = "beacon (plan)"  # the beacon preset on a batch with static plans instead of flags
 
 
 def make_batch(
@@ -64,6 +69,7 @@ def make_batch(
     hidden = directions[anchor] + noise * torch.randn(n, dim, generator=gen)
     success = (torch.rand(groups * ROLLOUTS, generator=gen) < 0.5).float()
     reward = torch.where(t == length - 1, success[traj], torch.zeros(n))
+    action_key = torch.randint(0, 6, (n,), generator=gen)
     return StepBatch(
         group=group,
         traj=traj,
@@ -71,9 +77,20 @@ def make_batch(
         reward=reward,
         valid=torch.rand(n, generator=gen) > 0.05,
         anchor=anchor,
-        action_key=torch.randint(0, 6, (n,), generator=gen),
+        action_key=action_key,
         hidden=hidden,
+        milestone=torch.rand(n, generator=gen) < 0.1,
+        action_text=[ACTIONS[k] for k in action_key.tolist()],
     )
+
+
+def with_plans(batch: StepBatch) -> StepBatch:
+    """`batch` with every task group's plan: its 6 actions in a fixed order, the flags left out."""
+    plans = [tuple(ACTIONS[(g + k) % 6] for k in range(6)) for g in batch.group.tolist()]
+    return StepBatch(
+        group=batch.group, traj=batch.traj, t=batch.t, reward=batch.reward, valid=batch.valid, anchor=batch.anchor,
+        action_key=batch.action_key, hidden=batch.hidden, action_text=batch.action_text, milestone_plan=plans,
+    )  # fmt: skip
 
 
 def timed(fn, repeats: int) -> float:
@@ -96,17 +113,28 @@ def _graphgpo_reference(group, traj, reward, valid, anchor):
     return graphgpo_advantages(group, traj, reward, valid, anchor, nxt)
 
 
+def _beacon_reference(group, traj, reward, valid, batch):
+    """BEACON's code on the batch: its flags (dynamic), or its plans, one trial per task group (static)."""
+    if batch.milestone_plan is None:
+        return beacon_advantages(group, traj, reward, valid, batch.action_text, milestone_achieved=batch.milestone.tolist())
+    trials = batch.milestone_plan.tolist()
+    loader = dict(enumerate(batch.milestone_plans))
+    return beacon_advantages(group, traj, reward, valid, batch.action_text, trial_id=trials, loader=loader)
+
+
 REFERENCES = {
-    "gigpo": gigpo_advantages,
-    "hgpo": lambda *args: hgpo_advantages(*args, history_length=2),
-    "graphgpo": _graphgpo_reference,
+    "gigpo": lambda group, traj, reward, valid, batch: gigpo_advantages(group, traj, reward, valid, batch.anchor.tolist()),
+    "hgpo": lambda group, traj, reward, valid, batch: hgpo_advantages(
+        group, traj, reward, valid, batch.anchor.tolist(), history_length=2
+    ),
+    "graphgpo": lambda group, traj, reward, valid, batch: _graphgpo_reference(group, traj, reward, valid, batch.anchor.tolist()),
+    "beacon": _beacon_reference,
 }
 
 
 def reference_seconds(batch: StepBatch, reference: str = "gigpo") -> float:
     """One call of the transcribed reference on `batch` (rows already in trajectory order)."""
-    anchors = batch.anchor.tolist()
-    args = (batch.group.numpy(), batch.traj.numpy(), batch.reward.tolist(), batch.valid.tolist(), anchors)
+    args = (batch.group.numpy(), batch.traj.numpy(), batch.reward.tolist(), batch.valid.tolist(), batch)
     start = time.perf_counter()
     REFERENCES[reference](*args)
     return time.perf_counter() - start
@@ -114,8 +142,11 @@ def reference_seconds(batch: StepBatch, reference: str = "gigpo") -> float:
 
 def reference_of(preset: str) -> str:
     """The reference a preset is timed against: verl-agent's HGPO for the hierarchy presets,
-    its GraphGPO for the graph-return presets, GiGPO for the others."""
-    settings = resolve_settings(preset)
+    its GraphGPO for the graph-return presets, BEACON's code for the milestone presets, GiGPO
+    for the others."""
+    settings = resolve_settings("beacon" if preset == PLAN else preset)
+    if settings.uses_milestones:
+        return "beacon"
     if settings.step_return == "graph":
         return "graphgpo"
     return "hgpo" if settings.step_baseline == "hierarchy" else "gigpo"
@@ -124,13 +155,16 @@ def reference_of(preset: str) -> str:
 def preset_table(groups_list, dim, repeats, with_reference):
     rows = []
     for groups in groups_list:
-        batch = make_batch(groups, dim)
-        n = len(batch)
-        refs = {name: reference_seconds(batch, name) for name in REFERENCES} if with_reference else {}
-        for name in PRESETS:
-            settings = resolve_settings(name, cluster_eps=0.1)
+        flagged = make_batch(groups, dim)
+        planned = with_plans(flagged)
+        n = len(flagged)
+        refs = {name: reference_seconds(flagged, name) for name in REFERENCES} if with_reference else {}
+        plan_ref = reference_seconds(planned, "beacon") if with_reference else None
+        for name in [*PRESETS, PLAN]:
+            batch = planned if name == PLAN else flagged
+            settings = resolve_settings("beacon" if name == PLAN else name, cluster_eps=0.1)
             seconds = timed(lambda: compute_advantages(batch, settings), repeats)
-            ref = refs.get(reference_of(name))
+            ref = plan_ref if name == PLAN else refs.get(reference_of(name))
             rows.append(
                 dict(
                     preset=name,

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from trl import GRPOConfig
 
-from envs.base import EnvUnavailableError, resolve_env_class
+from envs.base import MILESTONE_KINDS, EnvUnavailableError, resolve_env_class
 from envs.surface import split_surface_kwargs
 from envs.vector import BACKENDS
 
@@ -48,7 +48,7 @@ FIELD_GROUPS = {
         "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
         "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
         "level_weights", "drop_zero_levels", "base_group", "step_return", "normalize_distance", "similarity_merge",
-        "similarity_threshold",
+        "similarity_threshold", "milestone_threshold", "pace_evidence", "pace_variance_gate",
     ),
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "max_turn_length", "history_length", "tasks_per_iteration", "train_split", "eval_split",
@@ -124,7 +124,7 @@ GRPO_FIELDS: dict[str, tuple[str, str]] = {
 _FINITE_FIELDS = (
     "w_ep", "w_step", "step_gamma", "gae_lambda", "invalid_action_penalty", "target_singleton_rate",
     "max_cluster_eps", "eval_temperature", "env_step_timeout", "resample_max_seconds", "level_alpha",
-    "similarity_threshold",
+    "similarity_threshold", "milestone_threshold", "pace_evidence",
 )
 
 
@@ -171,15 +171,18 @@ class BiPACEConfig(GRPOConfig):
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q`, `graphgpo`,
-        `bigraphgpo` (or one added with
+        `bigraphgpo`, `beacon` (or one added with
         `bipace_trainer.advantages.register_preset`). Every estimator field below left at
         `None` takes the preset's value (`ESTIMATOR_FIELDS`: each is the `EstimatorSettings`
         field of the same name; the defaults in brackets are every built-in preset's).
-    step_partition (`str` or `None`): state partition, `none`, `hash` or `hidden`, or one added
+    step_partition (`str` or `None`): state partition, `none`, `hash`, `hidden` or `segment`, or one added
         with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
     step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff`, `gae` or `hierarchy`.
     advantage_norm (`str` or `None`): `mean_std` or `mean`, for the episode term and the
         `mean` baseline. pace_norm (`str` or `None`): the same for the PACE baselines.
+    pace_evidence, pace_variance_gate (`None` [0, False]): PACE-Q with evidence: Q̂(a) shrunk toward
+        V̂ by κ pseudo-counts, and each cell weighted by the share of its spread its actions explain
+        (ECPO's idea, https://arxiv.org/abs/2606.05885; docs/concepts/math.md#pace-evidence).
     w_ep, w_step (`float` or `None`): weights of the episode and step terms.
     step_gamma (`float` or `None` [0.95]): discount of step returns. gae_lambda (`float` or `None`): GAE λ.
     invalid_action_penalty (`float` or `None` [0.1]): subtracted from an invalid step's return.
@@ -200,10 +203,13 @@ class BiPACEConfig(GRPOConfig):
         weights w_k = (k+2)^α (`k+1`: the paper's formula), whether a level with advantage
         exactly 0 leaves the weighted mean (the code: yes), and whether the episode
         advantage joins it with weight 1 (see `bipace_trainer.advantages.baselines`).
-    step_return (`str` or `None` [`discounted`; GraphGPO presets `graph`]): the return the step
-        baseline compares: `discounted` (r_t + γ R_{t+1}) or `graph`, GraphGPO's 10·γ^d with d the
-        distance of the reached state to the goal on the task group's state graph (then
-        `step_gamma` is the graph's γ: 0.1 in the presets). normalize_distance,
+    step_return (`str` or `None` [`discounted`; GraphGPO presets `graph`; `beacon` `milestone`]): the
+        return the step baseline compares: `discounted` (r_t + γ R_{t+1}), `graph`, GraphGPO's 10·γ^d with d
+        the distance of the reached state to the goal on the task group's state graph (then
+        `step_gamma` is the graph's γ: 0.1 in the presets), or `milestone`, BEACON's 10·γ^k with k the
+        steps to the segment's milestone (the env's milestones: `envs.base`, "Milestones").
+        milestone_threshold (`None` [0.95]): the difflib ratio at which an action matches the next
+        milestone of a static plan (BEACON, https://arxiv.org/abs/2605.06078). normalize_distance,
         similarity_merge, similarity_threshold (`None` [False, False, 0.95]): `graph` only: the
         return 10·γ^{d(next) - d(state) + 1}; merge observations whose text similarity is at
         least the threshold into one graph node (`hash` only); see
@@ -330,6 +336,13 @@ class BiPACEConfig(GRPOConfig):
         default=None, metadata={"help": f"mean_std | mean for the episode term and the mean baseline ({_GIGPO})."}
     )
     pace_norm: str | None = field(default=None, metadata={"help": "mean | mean_std for the PACE baselines."})
+    pace_evidence: float | None = field(
+        default=None,
+        metadata={"help": "PACE-Q: κ pseudo-counts pulling Q̂(a) to V̂ (0: off)."},
+    )
+    pace_variance_gate: bool | None = field(
+        default=None, metadata={"help": "PACE-Q: × the share of a cell's spread its actions explain."}
+    )
     w_ep: float | None = field(default=None, metadata={"help": "Weight of the episode-level advantage."})
     w_step: float | None = field(
         default=None, metadata={"help": f"Weight of the step-level advantage (GiGPO's ω; {_GIGPO})."}
@@ -414,6 +427,10 @@ class BiPACEConfig(GRPOConfig):
         default=None, metadata={"help": "graph over hash: one node for texts of difflib ratio >= similarity_threshold."}
     )
     similarity_threshold: float | None = field(default=None, metadata={"help": "of similarity_merge (GraphGPO: 0.95)."})
+    milestone_threshold: float | None = field(
+        default=None,
+        metadata={"help": "difflib ratio matching an action to a plan's milestone (BEACON: 0.95)."},
+    )
 
     # Rollout
     env_name: str | None = field(
@@ -609,6 +626,8 @@ class BiPACEConfig(GRPOConfig):
                 self._env_error = err
         self._apply_scale_rewards()
         self.estimator = self._resolve_estimator()
+        if self.env_name_set:  # TRL's envs are checked by the trainer, which gets them (`tool_envs.check_milestones`)
+            self._check_milestones()
         if self.estimator.has_step_term and self.estimator.context_levels > self.history_length:
             # HGPO's levels exist to compare steps whose prompts agree; past the history the prompt
             # shows they split steps whose prompts are the same
@@ -808,6 +827,19 @@ class BiPACEConfig(GRPOConfig):
                     f"{name}={split!r} of {self.env_name!r} has no tasks with env_kwargs={self.env_kwargs!r}; "
                     "pick another split or other env_kwargs."
                 )
+
+    def _check_milestones(self) -> None:
+        """An estimator that reads milestones (BEACON's) needs an env that gives them (`envs.base`, "Milestones")."""
+        if not self.estimator.uses_milestones:
+            return
+        env_class = resolve_env_class(self.env_name)
+        if env_class.milestone_kind not in MILESTONE_KINDS:
+            raise ValueError(
+                f"preset={self.preset!r} reads milestones (step_partition={self.estimator.step_partition!r}, "
+                f"step_return={self.estimator.step_return!r}), which env_name={self.env_name!r} does not give "
+                f"({env_class.__name__}.milestone_kind is None); pick an env that does (textcraft, alfworld, webshop, "
+                "scienceworld, tiny), or give yours a plan or a flag (envs.base, 'Milestones')."
+            )
 
     def _resolve_estimator(self) -> EstimatorSettings:
         """The preset's settings with every estimator field set here on top, by the shared names (`ESTIMATOR_FIELDS`)."""

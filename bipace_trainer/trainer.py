@@ -39,7 +39,7 @@ from .rollout.loop import Rollout, TaskRef
 from .rollout.overlap import Prefetched, RolloutOverlap, check_overlap
 from .rollout.policy import TRLPolicy
 from .rollout.scoring import ScoredRollout, generation_metrics, score_rollout
-from .rollout.tool_envs import check_environment_factory
+from .rollout.tool_envs import check_environment_factory, check_milestones
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
@@ -103,6 +103,7 @@ class BiPACETrainer(GRPOAdapter):
         plain_prompts = args.plain_prompts(reward_funcs, trl_envs)
         trl_envs = trl_envs or plain_prompts  # scored by TRL's reward_funcs
         check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
+        check_milestones(environment_factory, needed=trl_envs and not plain_prompts and args.estimator.uses_milestones)
         if model is None or isinstance(model, str):
             model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")

@@ -44,7 +44,11 @@ agent reads and every command it can give is the engine's:
   anything else gets the engine's "Nothing happens.";
 - reward 1.0 and done when the goal holds (`infos["won"]`), else 0.0; the engine never
   ends an episode otherwise (the trainer imposes the turn budget);
-- `invalid_action` is "look", which is always admissible and changes nothing.
+- `invalid_action` is "look", which is always admissible and changes nothing;
+- milestones (`milestone_kind = "plan"`, BEACON's): the expert's whole plan from the start
+  state (the game's walkthrough, or the planner's plan when the game has none), as BEACON
+  lists each ALFWorld trial's expert actions; computed when asked (`milestones()`), so a run
+  that does not read milestones never plans at reset.
 
 Expert. `expert_action()` is the next command of the planner expert, the plan
 `AlfredExpert(expert_type="planner")` reports in `infos["extra.expert_plan"]`: an optimal plan
@@ -606,6 +610,7 @@ class AlfWorldEnv(TextEnv):
     )
     invalid_action = "look"
     report_key = "task_type"
+    milestone_kind = "plan"
 
     def __init__(
         self,
@@ -626,6 +631,8 @@ class AlfWorldEnv(TextEnv):
         self._engine: AlfredEngine | None = None
         self._game: _GameEntry | None = None
         self._plan: list[str] | None = None  # rest of the expert's plan, while the agent follows it
+        self._milestones: list[str] | None = None  # the expert's plan from the episode's start
+        self._started = False  # reset, and no step taken since
         self._admissible: frozenset[str] = frozenset()
         self.expert_failures = 0  # times expert_action() had no command in a game not won (each logged)
         self.done = True
@@ -691,6 +698,8 @@ class AlfWorldEnv(TextEnv):
         observation = observation.removeprefix(_WELCOME).lstrip("\n")
         self.task = observation.rpartition(_TASK_PREFIX)[2].strip()
         self._plan = self._engine.walkthrough() or None
+        self._milestones = list(self._plan) if self._plan else None
+        self._started = True  # no step yet: a plan computed now starts from the start state
         self.done = False
         return self._result(observation, infos)
 
@@ -698,6 +707,7 @@ class AlfWorldEnv(TextEnv):
         if self._engine is None or self.done:
             return StepResult("The episode is over; call reset().", done=True, anchor="The episode is over.")
         command = normalise_action(action)
+        self._started = False
         if self._plan and command == self._plan[0]:
             self._plan = self._plan[1:]
         else:
@@ -741,6 +751,13 @@ class AlfWorldEnv(TextEnv):
             reason,
         )
         return None
+
+    def milestones(self) -> list[str] | None:
+        """The expert's plan from the episode's start state (module docstring); ask right after a reset."""
+        if self._milestones is None and self._engine is not None and self._started:
+            self._plan = self._expert_plan()  # the expert starts from it too
+            self._milestones = list(self._plan) if self._plan else None
+        return self._milestones
 
     def _expert_plan(self) -> list[str] | None:
         attributes = self._game.attributes

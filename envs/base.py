@@ -12,6 +12,15 @@ done, a step says whether the task was *won* (so success is never guessed from t
 reward), the admissible actions when the engine knows them, and the *anchor*: the raw
 current observation with no history, which GiGPO/GAGPO group on by exact match.
 
+Milestones (BEACON's subgoals, docs/concepts/math.md#milestones) are optional; an env says
+which kind it gives in `TextEnv.milestone_kind`:
+
+    "plan"   the task's milestone actions in order: `TextEnv.milestones()` after a reset
+             (a `VectorEnv(milestones=True)` puts them in the reset result's
+             info["milestones"]); the estimator matches them to the actions taken
+    "flag"   the step that reached the next milestone says so: info["milestone"] = True
+    None     no milestones: the presets that read them refuse the env before a run starts
+
 Register your own env with the decorator, or pass a dotted path to `make_env` (`envs.factory`):
 
     @register_env("my-env")
@@ -31,6 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 __all__ = [
+    "MILESTONE_FLAG",
+    "MILESTONE_PLAN",
+    "MILESTONE_KINDS",
     "StepResult",
     "TaskSpec",
     "TextEnv",
@@ -41,6 +53,11 @@ __all__ = [
     "registered_envs",
     "EnvUnavailableError",
 ]
+
+
+MILESTONE_FLAG = "milestone"  # step info key: this step reached the next milestone (milestone_kind "flag")
+MILESTONE_PLAN = "milestones"  # reset info key: the task's milestone actions in order (milestone_kind "plan")
+MILESTONE_KINDS = ("plan", "flag")
 
 
 class EnvUnavailableError(RuntimeError):
@@ -146,6 +163,7 @@ class TextEnv(ABC):
     instruction: ClassVar[str] = ""
     invalid_action: ClassVar[str] = "look"
     report_key: ClassVar[str | None] = None  # TaskSpec attribute success is reported per
+    milestone_kind: ClassVar[str | None] = None  # "plan", "flag" or None (module docstring, "Milestones")
 
     task: str = ""
 
@@ -176,6 +194,10 @@ class TextEnv(ABC):
 
     def expert_action(self) -> str | None:
         """The oracle's next action in the current state, or None when there is no oracle."""
+        return None
+
+    def milestones(self) -> list[str] | None:
+        """The current task's milestone actions in order (`milestone_kind = "plan"`), or None."""
         return None
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ Choices (the engine does not decide these):
 - Expert: the engine's gold action sequence, generated at reset when `gold_path=True`
   (0.5-10 s per reset, hence off by default). It is followed while the agent follows
   it; after a deviation there is no oracle and `expert_action` returns None.
+- Milestones (`milestone_kind = "flag"`): a step whose score rose above the previous step's
+  reached one (`info["milestone"]`), BEACON's `subgoal_completed`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
+from .base import MILESTONE_FLAG, EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["ScienceWorldEnv", "TASK_ID_STRIDE", "encode_task_id", "decode_task_id"]
 
@@ -144,6 +146,7 @@ class ScienceWorldEnv(TextEnv):
     )
     invalid_action = "look around"
     report_key = "task_name"
+    milestone_kind = "flag"  # a step whose score rose reached a subgoal (BEACON's subgoal_completed)
 
     def __init__(
         self, simplifications: str = "", reward: str = "success", gold_path: bool = False, jar_path: str | None = None
@@ -159,6 +162,7 @@ class ScienceWorldEnv(TextEnv):
         self._gold: list[str] = []
         self._gold_position = 0
         self._progress = 0.0
+        self._score = 0.0
         self.task_name = ""
         self.variation = 0
         self.done = True
@@ -207,6 +211,7 @@ class ScienceWorldEnv(TextEnv):
         self._gold = list(self._engine.get_gold_action_sequence()) if self.gold_path else []
         self._gold_position = 0
         self._progress = 0.0
+        self._score = 0.0
         self.task_name, self.variation = task_name, variation
         self.done = False
         templates = ", ".join(action for action in self._engine.get_possible_actions() if action != "reset task")
@@ -237,13 +242,15 @@ class ScienceWorldEnv(TextEnv):
         else:
             reward = progress - self._progress
         self._progress = progress
+        info = {**self._info(score), MILESTONE_FLAG: score > self._score}  # the score rose: a subgoal completed
+        self._score = score
         return StepResult(
             observation=observation,
             reward=reward,
             done=self.done,
             won=won,
             anchor=self._anchor(),
-            info=self._info(score),
+            info=info,
         )
 
     def expert_action(self) -> str | None:

@@ -319,6 +319,7 @@ class SurfaceVariation(TextEnv):
         self.rules = tuple(TABLES.get(env.name, ()) if rules is None else rules)
         self.name, self.instruction = env.name, env.instruction
         self.invalid_action, self.report_key = env.invalid_action, env.report_key
+        self.milestone_kind = env.milestone_kind  # milestones are the state's, not the text's
         self.episode = -1
         self.turn = 0
         self.task = ""
@@ -376,6 +377,9 @@ class SurfaceVariation(TextEnv):
 
     def expert_action(self) -> str | None:
         return self.env.expert_action()
+
+    def milestones(self) -> list[str] | None:
+        return self.env.milestones()
 
     def close(self) -> None:
         self.env.close()

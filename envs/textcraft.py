@@ -29,6 +29,10 @@ Choices (the engine does not decide these):
 - The anchor is the engine state itself, "goal: ...; inventory: ..." (inventory
   sorted), not the feedback text: the same inventory reached through "Got 1 stick"
   or "Crafted 4 stick" is the same state and must share an anchor.
+- Milestones (`milestone_kind = "plan"`, BEACON's): the `craft` commands of the expert's
+  plan from an empty inventory, in order. Its `get` commands are left out: the order in
+  which base items are fetched is arbitrary, and BEACON matches a plan in order, so a
+  plan with its gets would stop matching at the first pair fetched the other way round.
 
 Four defects of the package are fixed here at first use, without editing it:
 1. `CraftingTree.traverse_recipe_tree` extends the stored recipe lists in place, so
@@ -202,6 +206,7 @@ class TextCraftEnv(TextEnv):
     )
     invalid_action = "inventory"
     report_key = "depth"
+    milestone_kind = "plan"
 
     def __init__(self, minecraft_dir: str | None = None, max_expert_steps: int | None = None):
         _check_max_expert_steps(max_expert_steps)
@@ -288,6 +293,12 @@ class TextCraftEnv(TextEnv):
             return None
         plan = _plan(self._engine.crafting_tree, self._goal_item, self._engine.inventory)
         return plan[0] if plan else None
+
+    def milestones(self) -> list[str] | None:
+        """The crafting commands of the expert's plan from an empty inventory (module docstring)."""
+        if self._goal_item is None:
+            return None
+        return [action for action in _plan(self._engine.crafting_tree, self._goal_item, {}) if action.startswith("craft ")]
 
 
 def _check_max_expert_steps(value: int | None) -> None:

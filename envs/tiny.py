@@ -13,6 +13,10 @@ grouping has non-singleton cells, and the optimal policy is known exactly:
 move toward the goal, taking |goal - start| steps. An action that is not admissible
 leaves the agent where it is ("Nothing happens.").
 
+Milestones (`milestone_kind = "flag"`): a move that brings the agent nearer the goal than it
+has been in this episode reaches one (`info["milestone"]`), so the optimal policy reaches one
+every step and a detour none until it makes up the lost ground.
+
 Task ids enumerate (start, goal) pairs with start != goal; `split="valid"` holds
 every fifth pair out of `train`. `goal_side="right"` keeps only goals to the right of
 the start, so the optimal policy ("right") no longer depends on the state: a policy
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import StepResult, TaskSpec, TextEnv, normalise_action, register_env
+from .base import MILESTONE_FLAG, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["TinyEnv"]
 
@@ -44,6 +48,7 @@ class TinyEnv(TextEnv):
     instruction = "You are an agent on a numbered line of cells. Move left or right to reach the goal cell."
     invalid_action = "stay"
     report_key = "distance"
+    milestone_kind = "flag"
 
     def __init__(self, size: int = 4, goal_side: str = "any"):
         if size < 2:
@@ -53,6 +58,7 @@ class TinyEnv(TextEnv):
         self.goal_side = goal_side
         self.position = 0
         self.goal = 1
+        self.nearest = 0  # the episode's smallest distance to the goal so far
         self.done = True
 
     @classmethod
@@ -74,7 +80,7 @@ class TinyEnv(TextEnv):
             moves.append("right")
         return moves
 
-    def _result(self, feedback: str, reward: float = 0.0) -> StepResult:
+    def _result(self, feedback: str, reward: float = 0.0, milestone: bool = False) -> StepResult:
         side = "here" if self.position == self.goal else ("to your right" if self.goal > self.position else "to your left")
         anchor = f"You are at cell {self.position}. The goal is cell {self.goal}, {side}."
         observation = f"{feedback} {anchor}".strip()
@@ -86,12 +92,14 @@ class TinyEnv(TextEnv):
             won=won and self.done,
             admissible_actions=None if self.done else self._admissible(),
             anchor=anchor,
+            info={MILESTONE_FLAG: milestone},
         )
 
     def reset(self, task_id: int) -> StepResult:
         pairs = _pairs(self.size, self.goal_side)
         self.position, self.goal = pairs[task_id % len(pairs)]
         self.done = False
+        self.nearest = abs(self.goal - self.position)
         self.task = f"reach cell {self.goal}."
         return self._result("")
 
@@ -102,10 +110,12 @@ class TinyEnv(TextEnv):
         if move not in self._admissible():
             return self._result("Nothing happens.")
         self.position += 1 if move == "right" else -1
+        closer = abs(self.goal - self.position) < self.nearest
+        self.nearest = min(self.nearest, abs(self.goal - self.position))
         if self.position == self.goal:
             self.done = True
-            return self._result("You reached the goal!", reward=1.0)
-        return self._result(f"You moved {move}.")
+            return self._result("You reached the goal!", reward=1.0, milestone=closer)
+        return self._result(f"You moved {move}.", milestone=closer)
 
     def expert_action(self) -> str | None:
         if self.done:

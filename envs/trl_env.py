@@ -39,9 +39,14 @@ How one of our `TextEnv` steps maps onto it:
   (TRL calls reset outside any guard); `BiPACETrainer` ends only that episode, as failed.
 - `get_reward()` is the episode return: the sum of the env's step rewards (`R^ep`,
   docs/concepts/math.md#episode-advantage; 1.0 for a won TextCraft or ALFWorld task, WebShop's score).
+- Milestones (BEACON's, `envs.base`): an env whose steps flag them (`milestone_kind = "flag"`: tiny,
+  WebShop, ScienceWorld) gets a class attribute `milestones_reached`, the episode's count of flagged
+  steps, which `BiPACETrainer` reads after each turn. Plan envs (TextCraft, ALFWorld) do not: a plan is
+  matched by the estimator at its threshold, and through TRL a turn is a tool call, not a command.
 
 The state a reward function or a trainer may read off an instance: `task_id`, `task`,
-`observation`, `anchor`, `admissible_actions`, `reward`, `won`, `done`, `failure`, `steps`.
+`observation`, `anchor`, `admissible_actions`, `reward`, `won`, `done`, `failure`, `steps`,
+`milestones_reached`.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from .base import StepResult, TextEnv, resolve_env_class, stratified_subset
+from .base import MILESTONE_FLAG, StepResult, TextEnv, resolve_env_class, stratified_subset
 from .vector import VectorEnv
 
 __all__ = [
@@ -137,6 +142,7 @@ class TRLEnvironment:
         self.done = True
         self.failure: str | None = None
         self.steps = 0
+        self.milestones_reached = 0  # steps the env flagged (read by BiPACETrainer where the class declares it)
 
     def reset(self, task_id: int | None = None, **row: Any) -> str:
         """Start the episode of `task_id` (the dataset row's column); returns the env's
@@ -147,7 +153,7 @@ class TRLEnvironment:
                 "dataset with envs.trl_task_dataset(...) or give it an integer 'task_id' column."
             )
         self.task_id = int(task_id)
-        self.reward, self.won, self.steps = 0.0, False, 0
+        self.reward, self.won, self.steps, self.milestones_reached = 0.0, False, 0, 0
         result = self._start(self.task_id)
         self.task = str(result.info.get("task", ""))
         text = self._take(result)
@@ -204,6 +210,7 @@ class TRLEnvironment:
         self.reward += float(result.reward)
         self.done, self.won = bool(result.done), bool(result.won)
         self.failure = result.info.get("env_failure")
+        self.milestones_reached += bool(result.info.get(MILESTONE_FLAG))
         if self.failure:
             self.reward = 0.0
         return describe_step(result.observation, self.done, self.won, self.admissible_actions, self.max_admissible)
@@ -285,6 +292,7 @@ def as_trl_environment(
         "step_timeout": step_timeout,
         "backend": backend,
         "max_admissible": max_admissible,
+        **({"milestones_reached": 0} if env_class.milestone_kind == "flag" else {}),  # declared: BEACON can read it
         "__doc__": f"The {env_class.name or env_class.__name__} env as a TRL environment_factory class "
         f"(envs.trl_env.as_trl_environment, env_kwargs={env_kwargs!r}).",
         "__module__": __name__,

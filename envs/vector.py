@@ -24,7 +24,9 @@ that long are cut and suffixed with a hash of the full text, so exact matching
 stays exact.
 
 A reset result carries the episode's task text (`env.task`) in `info["task"]`: the
-env object itself may live in a worker process. Envs are built on their first
+env object itself may live in a worker process. With `milestones=True` it also carries
+the task's milestone plan (`env.milestones()`, for an env whose `milestone_kind` is "plan")
+in `info["milestones"]`, for the estimators that read milestones (BEACON's). Envs are built on their first
 reset, inside that call's time budget (a ScienceWorld env starts its JVM there). An
 env whose dependency is missing (`EnvUnavailableError`) is a setup error, not a
 failure: reset raises it.
@@ -81,7 +83,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
-from .base import EnvUnavailableError, StepResult, TextEnv, resolve_env_class
+from .base import MILESTONE_PLAN, EnvUnavailableError, StepResult, TextEnv, resolve_env_class
 from .factory import build_env
 
 __all__ = [
@@ -216,10 +218,14 @@ class _EnvFactory:
     `described` is the env as the user gave it (a registry name, a class...), for messages.
     """
 
-    def __init__(self, env: type[TextEnv] | Callable[..., TextEnv], env_kwargs: dict[str, Any], described: str = ""):
+    def __init__(
+        self, env: type[TextEnv] | Callable[..., TextEnv], env_kwargs: dict[str, Any], described: str = "",
+        milestones: bool = False,
+    ):  # fmt: skip
         self.env = env
         self.env_kwargs = env_kwargs
         self.described = described or repr(env)
+        self.milestones = milestones  # each reset result carries the task's milestone plan
         # numbers the envs this factory builds, so a surface-varied VectorEnv renders each env's
         # episodes differently and a rerun the same, whatever else the process built before
         self.built = 0
@@ -267,6 +273,24 @@ class EnvSlot:
             # The task text is an attribute of the env, out of the caller's reach when the
             # env lives in a worker process: it travels in the reset result.
             result.info = {"task": str(self.env.task), **result.info}
+            if self.factory.milestones:
+                return self._with_plan(result)
+        return result
+
+    def _with_plan(self, result: StepResult) -> StepResult | CallFailure:
+        """The reset result with the task's milestone plan, when the env gives one; a plan that
+        is not a list of strings fails the episode like any bad result."""
+        if self.env.milestone_kind != "plan":
+            return result
+        try:
+            plan = self.env.milestones()
+        except (Exception, SystemExit) as err:
+            self.discard()
+            return CallFailure("exception", _short(f"milestones raised {type(err).__name__}: {err}"))
+        if plan is not None and (isinstance(plan, (str, bytes)) or not all(isinstance(m, str) for m in plan)):
+            self.discard()
+            return CallFailure("bad_result", _short(f"milestones returned {plan!r}, not a list of str"))
+        result.info[MILESTONE_PLAN] = None if plan is None else list(plan)
         return result
 
     def discard(self) -> None:
@@ -745,6 +769,7 @@ class VectorEnv:
         step_timeout: seconds one reset or step may take before its episode fails
             (None: wait forever; "serial" then runs the envs in the calling thread).
         max_observation_chars: longer observations are cut, with a note.
+        milestones: every reset result carries the task's milestone plan (module docstring).
     """
 
     def __init__(
@@ -756,6 +781,7 @@ class VectorEnv:
         num_workers: int | None = None,
         step_timeout: float | None = 60.0,
         max_observation_chars: int = 8000,
+        milestones: bool = False,
     ):
         backend_class = resolve_backend(backend)
         if num_envs < 1:
@@ -773,7 +799,7 @@ class VectorEnv:
             raise ValueError(
                 f"VectorEnv env={env!r}: pass a registry name, a TextEnv class or a factory, not an instance."
             )
-        self._factory = _EnvFactory(env_class, dict(env_kwargs or {}), described=repr(env))
+        self._factory = _EnvFactory(env_class, dict(env_kwargs or {}), described=repr(env), milestones=milestones)
 
         self.num_failures = 0
         self.failure_counts: Counter[str] = Counter()

@@ -50,6 +50,15 @@ return is the paper's score; "success" gives 1.0 only for a reward of 1, verl-ag
 signal (it scales it by 10). Either way `won` is reward == 1 and `info["score"]` and
 `info["score_components"]` (r_type, r_att, r_option, r_price) come with the purchase.
 
+Milestones (`milestone_kind = "flag"`, BEACON's four page phases, in order; `info["milestone"]`
+on the step that completes the phase the episode is in): (1) a search whose results page lists a
+product that can meet the goal (every goal attribute matches, the goal's option values are among
+its options, its price within the bound); (2) a click on such a product (with no options to
+choose, phase 3 is skipped); (3) clicks on every one of the goal's option values; (4) a purchase
+that meets every attribute, option and the price (the reward's r_att, r_option, r_price all 1).
+The checks are this project's reward rules (`envs.webshop_site`), read from either backend's
+session, products and page text, as BEACON's `webshop_milestone_detector.py` reads WebShop's.
+
 Expert (`expert_action`): search for the instruction's key words (the instruction without its
 opening words and price bound), open the target product when a results page of that search
 lists it (paging on through the 50 results otherwise; results of another search send it back to
@@ -74,7 +83,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .base import EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
+from .base import MILESTONE_FLAG, EnvUnavailableError, StepResult, TaskSpec, TextEnv, normalise_action, register_env
 
 __all__ = ["WebShopEnv", "split_of", "search_keywords", "WEBSHOP_MODULES"]
 
@@ -238,6 +247,7 @@ class WebShopEnv(TextEnv):
     )
     invalid_action = "wait"
     report_key = "category"
+    milestone_kind = "flag"
     reports_score = True  # info["score"] at the purchase: evaluation reports the mean score (0 without one)
 
     def __init__(
@@ -257,6 +267,7 @@ class WebShopEnv(TextEnv):
         self.reward_mode = reward
         self._engine = None
         self._expert_stage = 0  # see expert_action
+        self._phases: _MilestonePhases | None = None
         self.done = True
 
     @classmethod
@@ -306,14 +317,18 @@ class WebShopEnv(TextEnv):
         self.task = self._engine.instruction_text
         self.done = False
         self._expert_stage = 0
+        self._phases = _MilestonePhases(self._session()["goal"])
         return self._result(page)
 
     def step(self, action: str) -> StepResult:
         if self._engine is None or self.done:
             return StepResult("The episode is over; call reset().", done=True, anchor="The episode is over.")
-        page, reward, done, _ = self._engine.step(_normalize_action(action))
+        command = _normalize_action(action)
+        page, reward, done, _ = self._engine.step(command)
         self.done = bool(done)
-        return self._result(page, float(reward) if done else 0.0)
+        result = self._result(page, float(reward) if done else 0.0)
+        result.info[MILESTONE_FLAG] = self._phases.advance(command, page, self._session(), self._engine.server)
+        return result
 
     def close(self) -> None:
         if self._engine is not None:
@@ -386,6 +401,54 @@ class WebShopEnv(TextEnv):
                 return "click[< prev]"
             return "click[back to search]"
         return "click[< prev]"  # a sub page
+
+
+_PRODUCT_ID = re.compile(r"\b([A-Z0-9]{10})\b")  # product ids as a results page shows them
+
+
+class _MilestonePhases:
+    """Where an episode stands in BEACON's four WebShop phases (module docstring, "Milestones")."""
+
+    SEARCH, DETAIL, OPTIONS, PURCHASE, COMPLETE = range(5)
+
+    def __init__(self, goal: dict[str, Any]):
+        self.goal = goal
+        wanted = goal["goal_options"].values() if isinstance(goal["goal_options"], dict) else goal["goal_options"]
+        self.options = {" ".join(str(value).lower().split()) for value in wanted if value}
+        self.clicked: set[str] = set()
+        self.phase = self.SEARCH
+
+    def advance(self, command: str, page: str, session: dict[str, Any], server) -> bool:
+        """Whether this step (`command`, the page it led to) completed the current phase; moves on if so."""
+        name, _, argument = command.partition("[")
+        argument = argument.rstrip("]").strip().lower()
+        reached = False
+        if self.phase == self.SEARCH and name == "search":
+            reached = any(self._can_meet(asin, server) for asin in _PRODUCT_ID.findall(page))
+        elif self.phase == self.DETAIL and name == "click" and len(argument) == 10:
+            reached = self._can_meet(argument.upper(), server)
+            if reached and not self.options:
+                self.phase = self.OPTIONS  # nothing to choose: on to the purchase
+        elif self.phase == self.OPTIONS and name == "click":
+            self.clicked |= {argument} & self.options
+            reached = self.options <= self.clicked
+        elif self.phase == self.PURCHASE and command.lower() == "click[buy now]":
+            verbose = session.get("verbose_info") or {}
+            reached = verbose.get("r_att") == 1 and bool(verbose.get("r_price")) and verbose.get("r_option", 1) == 1
+        if reached:
+            self.phase += 1
+        return reached
+
+    def _can_meet(self, asin: str, server) -> bool:
+        from .webshop_site import attribute_matches
+
+        product = server.product_item_dict.get(asin)
+        if product is None:
+            return False
+        if attribute_matches(product, self.goal["attributes"]) < len(self.goal["attributes"]):
+            return False
+        offered = {" ".join(str(v).lower().split()) for values in product.get("options", {}).values() for v in values}
+        return self.options <= offered and server.product_prices.get(asin, float("inf")) <= self.goal["price_upper"]
 
 
 def _plain_query(text: str) -> str:

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["webshop_reward", "GeneratedServer", "GeneratedTextEnv", "SEARCH_RETURN_N", "PRODUCT_WINDOW"]
+__all__ = ["webshop_reward", "attribute_matches", "GeneratedServer", "GeneratedTextEnv", "SEARCH_RETURN_N", "PRODUCT_WINDOW"]
 
 SEARCH_RETURN_N = 50
 PRODUCT_WINDOW = 10
@@ -111,7 +111,7 @@ def _type_reward(purchased: dict[str, Any], goal: dict[str, Any]) -> dict[str, A
     return {"r_type": r_type, "query_match": query_match, "category_match": category_match, "title_score": title_score}
 
 
-def _attribute_matches(purchased: dict[str, Any], goal_attributes: list[str]) -> int:
+def attribute_matches(purchased: dict[str, Any], goal_attributes: list[str]) -> int:
     ratio = _fuzz()
     text = " ".join([purchased["Title"], *purchased["BulletPoints"], purchased["Description"]]).lower()
     return sum(
@@ -136,7 +136,7 @@ def webshop_reward(
     """
     goal_options = list(goal["goal_options"].values()) if isinstance(goal["goal_options"], dict) else list(goal["goal_options"])
     type_info = _type_reward(purchased, goal)
-    attribute_hits = _attribute_matches(purchased, goal["attributes"])
+    attribute_hits = attribute_matches(purchased, goal["attributes"])
     option_hits = _option_matches(list(options.values()), goal_options)
     r_price = price <= goal["price_upper"]
     total = len(goal["attributes"]) + len(goal_options) + 1

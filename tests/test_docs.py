@@ -152,3 +152,8 @@ def test_the_own_env_tutorial_example_plays(tmp_path):
     assert "higher" in wrong.observation and not wrong.done
     won = env.step(env.expert_action())
     assert won.done and won.won and won.reward == 1.0
+    from bipace_trainer import BiPACEConfig  # the page says beacon refuses it: it gives no milestones
+
+    with pytest.raises(ValueError, match="preset='beacon' reads milestones"):
+        BiPACEConfig(output_dir=str(tmp_path), env_name="guess", preset="beacon", report_to="none", tasks_per_iteration=1,
+                     num_generations=2, per_device_train_batch_size=2)  # fmt: skip

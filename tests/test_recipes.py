@@ -24,14 +24,22 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 PAPERS = dict(num_generations=8, tasks_per_iteration=16, learning_rate=1e-6, beta=0.01, epsilon=0.2, step_gamma=0.95,
               invalid_action_penalty=0.1, history_length=2, temperature=1.0, eval_temperature=0.4)
 CLUSTERING = {"7b": (-8, "0.10"), "1.5b": (-12, "0.05")}  # docs/concepts/math.md#hidden-partition: layer and ε per model size
-MAX_TURNS = {"alfworld": 50, "webshop": 15, "textcraft": 30}
+MAX_TURNS = {"alfworld": 50, "webshop": 15, "textcraft": 30, "scienceworld": 30}
 # HGPO's public scripts (verl-agent recipe/hgpo/run_qwen2.5_*_train.sh, b4918cc; docs/concepts/math.md#hgpo): K = the
 # history window, α = 1, no base group, ALFWorld mean_std_norm, WebShop mean_norm with ≤ 30 steps
 HGPO = {"alfworld": dict(advantage_norm="mean_std", max_turns=50), "webshop": dict(advantage_norm="mean", max_turns=30)}
-EVAL_SPLIT = {"alfworld": "valid_unseen", "webshop": "test", "textcraft": "test_ood"}
+EVAL_SPLIT = {"alfworld": "valid_unseen", "webshop": "test", "textcraft": "test_ood", "scienceworld": "test"}
 # GraphGPO's public scripts (verl-agent recipe/GraphGPO/run_qwen2.5_*_train.sh, commit 234a913): the graph
 # return's γ (ALFWorld 0.1, WebShop 0.2), weights 1, mean_std_norm, no normalize_distance, no merge
 GRAPHGPO = {"alfworld": dict(step_gamma=0.1), "webshop": dict(step_gamma=0.2)}
+# BEACON's public scripts (ZJU-REAL/BEACON examples/migpo_trainer/run_{alfworld,webshop,sciworld}.sh, db9347f): the
+# segment rewards' γ and weight, mode mean_norm, threshold 0.95, ≤ 30 steps with the whole history (ALFWorld,
+# ScienceWorld), WebShop's invalid penalty 1
+BEACON = {
+    "alfworld": dict(step_gamma=0.9, w_step=10.0, max_turns=30, history_length=30),
+    "webshop": dict(step_gamma=0.95, w_step=1.0, max_turns=15, invalid_action_penalty=1.0),
+    "scienceworld": dict(step_gamma=0.95, w_step=1.0, max_turns=30, history_length=30),
+}
 # Fields that decide what a run does; those a recipe does not set must be the documented defaults
 # (generation_batch_size is derived: tasks_per_iteration × num_generations, checked below).
 MATTERS = [
@@ -103,10 +111,11 @@ def test_recipe_holds_the_papers_setting(recipe):
     parsed = parse(["--config", str(recipe), "--use_cpu", "true"])
     assert (value(parsed, "env_name"), value(parsed, "preset")) == (env, preset)
     assert value(parsed, "model_name_or_path") == f"Qwen/Qwen2.5-{size.upper()}-Instruct"
-    for key, expected in {**PAPERS, **(GRAPHGPO[env] if preset == "graphgpo" else {})}.items():
+    own = {"graphgpo": GRAPHGPO, "beacon": BEACON}.get(preset, {}).get(env, {})
+    for key, expected in {**PAPERS, **own}.items():
         assert value(parsed, key) == expected, key
     assert (value(parsed, "cluster_layer"), value(parsed, "cluster_eps")) == CLUSTERING[size]
-    turns = HGPO[env]["max_turns"] if preset == "hgpo" else MAX_TURNS[env]
+    turns = HGPO[env]["max_turns"] if preset == "hgpo" else own.get("max_turns", MAX_TURNS[env])
     assert value(parsed, "max_turns") == turns and value(parsed, "eval_split") == EVAL_SPLIT[env]
     if preset == "hgpo":
         assert value(parsed, "advantage_norm") == HGPO[env]["advantage_norm"]
@@ -120,6 +129,11 @@ def test_recipe_holds_the_papers_setting(recipe):
         resolved = (estimator.step_partition, estimator.step_baseline, estimator.step_return, estimator.w_ep, estimator.w_step)
         assert resolved == ("hash", "mean", "graph", 1.0, 1.0) and estimator.advantage_norm == "mean_std"
         assert (estimator.normalize_distance, estimator.similarity_merge, estimator.similarity_threshold) == (False, False, 0.95)
+    if preset == "beacon":
+        estimator = next(args for args in parsed if hasattr(args, "estimator")).estimator
+        resolved = (estimator.step_partition, estimator.step_baseline, estimator.step_return, estimator.advantage_norm)
+        assert resolved == ("segment", "mean", "milestone", "mean") and estimator.milestone_threshold == 0.95
+        assert (estimator.w_ep, estimator.w_step, estimator.step_gamma) == (1.0, BEACON[env]["w_step"], BEACON[env]["step_gamma"])
     assert value(parsed, "generation_batch_size") == 16 * 8
     # the settings that used to leak from the CPU demo are written out: no LoRA, checkpoints, a tracker
     for key in ("use_peft", "save_strategy", "save_steps", "report_to", "lr_scheduler_type"):

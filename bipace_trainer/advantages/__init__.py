@@ -10,7 +10,8 @@ Map from the equations (docs/concepts/math.md, by section anchor) to code:
                            (#anchor-partition), hidden_partition and leader_cluster
                            (#hidden-partition), calibrate_eps (#eps-calibration)
     #step-baseline         baselines.mean_baseline (#mean-baseline), pace_q_baseline
-                           (#pace-q), pace_diff_baseline (#pace-diff), gae_baseline (#gae)
+                           (#pace-q, with evidence: #pace-evidence), pace_diff_baseline
+                           (#pace-diff), gae_baseline (#gae)
     #context-levels, #hgpo partition.context_partition (LevelledPartition: levels k = 0..K
                            over any partition), baselines.hierarchy_baseline (LevelDetail);
                            per-level diagnostics: presets.level_diagnostics
@@ -18,6 +19,9 @@ Map from the equations (docs/concepts/math.md, by section anchor) to code:
                            graph.graph_returns (GraphGPO's 10·γ^d, step_return="graph"),
                            graph.similar_labels (the similarity merge), presets.graph_diagnostics
                            (docs/concepts/estimators.md, "The graph return")
+    #milestones            BEACON: milestones.match_milestones and with_plan_flags (a plan made
+                           flags), partition.segment_partition (axis 1), milestones.milestone_returns
+                           (axis 3, step_return="milestone")
     #combination, #presets presets.PRESETS, presets.resolve_settings,
                            presets.compute_advantages, presets.StepAdvantageEstimator
                            (the one owner of "auto" ε and its fallback: eps_in_use)
@@ -28,6 +32,7 @@ Map from the equations (docs/concepts/math.md, by section anchor) to code:
 
 from .baselines import BASELINES
 from .graph import TransitionGraph, goal_distances, graph_returns, similar_labels, transition_graph
+from .milestones import match_milestones, milestone_returns
 from .partition import (
     PARTITIONS,
     LevelledPartition,
@@ -40,6 +45,7 @@ from .partition import (
     leader_cluster,
     register_partition,
     resolve_partition,
+    segment_partition,
 )
 from .presets import (
     PRESETS,
@@ -81,10 +87,13 @@ __all__ = [
     "hash_partition",
     "hidden_partition",
     "leader_cluster",
+    "match_milestones",
+    "milestone_returns",
     "register_partition",
     "register_preset",
     "resolve_partition",
     "resolve_settings",
+    "segment_partition",
     "similar_labels",
     "step_returns",
     "transition_graph",

@@ -6,6 +6,7 @@ singleton cell (|C| = 1) gets A^s = 0, since nothing is compared.
 
     mean       A^s_i = R_i - mean_C R                  (÷ (std_C + 1e-6) if mean_std)
     pace_q     A^s_i = Q̂(a_i) - V̂,  Q̂(a) = mean{R_j : j∈C, key_j = a}, V̂ = mean_C R
+               (with evidence: × n_a / (n_a + κ), the cell's variance gate optional)
     pace_diff  A^s_i = R_i - mean{R_j : j∈C, key_j ≠ key_i}
     gae        GAE over the grouped value proxy V̄(s) = mean_C R, normalised per group
     hierarchy  HGPO: one advantage per context level k, a weighted mean of the levels
@@ -170,7 +171,23 @@ def _action_subcells(partition: Partition, action_key: torch.Tensor):
     return subcell, subcell_cell.shape[0], keys_per_cell
 
 
-def _pace(returns, partition, action_key, norm, peer_mean_fn, fallback_when):
+def _evidence_weight(returns, cell, num_cells, mean, n_a, q_hat, evidence, variance_gate):
+    """PACE-Q's evidence weight of each step (N,) (docs/concepts/math.md#pace-evidence):
+
+        n_a / (n_a + κ)                     the shrinkage of Q̂(a) toward V̂ by κ pseudo-counts
+        × SS_between / SS_total             with the variance gate: the share of the cell's
+                                            spread that its actions explain (0 in a cell of equal returns)
+    """
+    weight = n_a / (n_a + evidence)
+    if variance_gate:
+        between = segment_sum((q_hat - mean[cell]) ** 2, cell, num_cells)
+        total = segment_sum((returns - mean[cell]) ** 2, cell, num_cells)
+        gate = torch.where(total > 0, between / total.clamp(min=torch.finfo(total.dtype).tiny), torch.zeros_like(total))
+        weight = weight * gate[cell]
+    return weight
+
+
+def _pace(returns, partition, action_key, norm, peer_mean_fn, fallback_when, evidence=0.0, variance_gate=False):
     cell = partition.cell
     # Every PACE comparison is a difference of means within one cell, unchanged by a
     # shift per cell; shifting by a member's return makes a cell of equal returns all 0.
@@ -182,6 +199,10 @@ def _pace(returns, partition, action_key, norm, peer_mean_fn, fallback_when):
     sub_sum = segment_sum(returns, subcell, num_subcells)
     n_i, s_i = count[cell], cell_sum[cell]
     pace = peer_mean_fn(returns, n_i, s_i, sub_count[subcell], sub_sum[subcell], mean[cell])
+    if evidence or variance_gate:
+        q_hat = (sub_sum / sub_count.clamp(min=1))[subcell]
+        n_a = sub_count[subcell]
+        pace = pace * _evidence_weight(returns, cell, partition.num_cells, mean, n_a, q_hat, evidence, variance_gate)
     loo = _leave_one_out(returns, s_i, n_i)
     use_loo = fallback_when(n_i, sub_count[subcell], keys_per_cell[cell])
     advantage = torch.where(use_loo, loo, pace)
@@ -196,14 +217,28 @@ def _pace(returns, partition, action_key, norm, peer_mean_fn, fallback_when):
 
 
 def pace_q_baseline(
-    returns: torch.Tensor, partition: Partition, *, action_key: torch.Tensor, pace_norm: str = "mean", **_
+    returns: torch.Tensor,
+    partition: Partition,
+    *,
+    action_key: torch.Tensor,
+    pace_norm: str = "mean",
+    pace_evidence: float = 0.0,
+    pace_variance_gate: bool = False,
+    **_,
 ) -> BaselineResult:
     """BiPACE_Q (docs/concepts/math.md#pace-q): A^s_i = Q̂(a_i) - V̂ with Q̂ the mean return of i's action key in its cell
     (i included) and V̂ the cell mean; leave-one-out when the cell has one distinct key.
 
+    With evidence (docs/concepts/math.md#pace-evidence), the PACE branch is
+    w_i · (Q̂(a_i) - V̂), w_i = n_a / (n_a + κ) (× SS_between / SS_total of the cell with the gate):
+    Q̂(a) shrunk toward V̂ by κ pseudo-counts, so an action seen once moves its step less than
+    one seen four times. The leave-one-out fallback is left as it is.
+
     Args:
         returns: (N,) float64; action_key: (N,) int64 ids.
         pace_norm: "mean" (default, the paper does not publish a std) or "mean_std".
+        pace_evidence: κ >= 0, pseudo-counts at V̂ (0: plain PACE-Q).
+        pace_variance_gate: weigh each cell by the share of its return spread its actions explain.
     """
     return _pace(
         returns,
@@ -212,6 +247,8 @@ def pace_q_baseline(
         pace_norm,
         peer_mean_fn=lambda r, n, s, n_a, s_a, v: s_a / n_a - v,
         fallback_when=lambda n, n_a, keys: keys < 2,
+        evidence=pace_evidence,
+        variance_gate=pace_variance_gate,
     )
 
 

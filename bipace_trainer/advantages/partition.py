@@ -10,6 +10,8 @@ count as "the same state" for the step baseline. Cells never cross task groups.
 - `context_partition`: HGPO's nested context levels over any of them (`context_levels`
   = K > 0): level k groups the steps whose last k+1 base cells agree
   (`LevelledPartition`).
+- `segment_partition`: BEACON's segments, steps of a task group that reached the same
+  number of milestones before them (`milestones`); not a state but a stage of the task.
 
 `PARTITIONS` names them, as `BASELINES` names the step baselines. Each entry says which
 `StepBatch` fields it reads (the trainer captures hidden states only for a partition
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from .milestones import segment_index
 from .records import BatchLayout
 
 if TYPE_CHECKING:
@@ -44,6 +47,7 @@ __all__ = [
     "resolve_partition",
     "hash_partition",
     "hidden_partition",
+    "segment_partition",
     "context_partition",
     "leader_cluster",
     "calibrate_eps",
@@ -162,6 +166,20 @@ def hash_partition(anchor: torch.Tensor, layout: BatchLayout) -> Partition:
     if anchor is None:
         raise ValueError("partition='hash' needs StepBatch.anchor (the raw current observation of each step).")
     return Partition.from_labels(layout.group_index, anchor)
+
+
+def segment_partition(milestone: torch.Tensor, layout: BatchLayout) -> Partition:
+    """BEACON's segment groups: one cell per (task group, milestones reached before the step)
+    (docs/concepts/math.md#milestones).
+
+    Args:
+        milestone: (N,) bool, the steps that reached a milestone (`StepBatch.milestone`).
+    """
+    if milestone is None:
+        raise ValueError(
+            "partition='segment' needs StepBatch.milestone (or milestone_plan and action_text): the env's milestones."
+        )
+    return Partition.from_labels(layout.group_index, segment_index(milestone, layout))
 
 
 def _visit_order(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -408,6 +426,9 @@ PARTITIONS: dict[str, PartitionKind] = {
         build=lambda batch, layout, eps: hidden_partition(batch.hidden, layout, eps),
         needs=frozenset({"hidden"}),
         takes_eps=True,
+    ),
+    "segment": PartitionKind(
+        build=lambda batch, layout, eps: segment_partition(batch.milestone, layout), needs=frozenset({"milestone"})
     ),
 }
 

@@ -21,6 +21,7 @@ of defaults over these knobs (step return discounted unless said):
     bihpace_q     hidden,K=2 hierarchy  0     token      (levels: pace_q)
     graphgpo      hash       mean       1     token      (graph return, γ = 0.1)
     bigraphgpo    hidden     mean       1     token      (graph return over hidden clusters)
+    beacon        segment    mean       1     token      (milestone return, BEACON's mean_norm)
 
 Every knob stays settable: `resolve_settings("gigpo", advantage_norm="mean")` is GiGPO without
 the std, as in its WebShop ablation. New values are registrations, not edits:
@@ -42,6 +43,7 @@ import torch
 
 from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, GaeTerms, LevelDetail
 from .graph import TransitionGraph, following_labels, graph_returns, known_state_cells, similar_labels, transition_graph
+from .milestones import milestone_returns, with_plan_flags
 from .partition import (
     PARTITIONS,
     LevelledPartition,
@@ -67,7 +69,7 @@ __all__ = [
 ]
 
 NORMS = ("mean", "mean_std")
-STEP_RETURNS = ("discounted", "graph")
+STEP_RETURNS = ("discounted", "graph", "milestone")
 LEVEL_WEIGHT_OFFSETS = {"k+2": 2, "k+1": 1}  # verl-agent's code, the HGPO paper
 
 
@@ -132,6 +134,19 @@ class EstimatorSettings:
         similarity_merge, similarity_threshold: "graph" over `hash` only; observations whose
             `difflib` ratio is >= the threshold are one graph node (`graph.similar_labels`);
             the baseline's cells stay the exact anchors, as in the reference.
+
+        BEACON (docs/concepts/math.md#milestones; arXiv 2605.06078, ZJU-REAL/BEACON `migpo/core_migpo.py`):
+        step_return="milestone": R_t = 10 γ^(next(t) - t), next(t) the step that reached the next
+            milestone, 0 after the last (`milestones`); its usual cells are `step_partition="segment"`.
+        milestone_threshold: the difflib ratio at which an action matches the next milestone of
+            a static plan (`milestones.match_milestones`; BEACON's scripts: 0.95).
+
+        PACE with evidence (docs/concepts/math.md#pace-evidence; ECPO's idea, arXiv 2606.05885):
+        pace_evidence: κ >= 0; PACE-Q's Q̂(a) is shrunk toward V̂ by κ pseudo-counts, so its
+            branch is n_a / (n_a + κ) · (Q̂(a) - V̂) (0: plain PACE-Q). Read by `pace_q` only
+            (also as the hierarchy's level baseline).
+        pace_variance_gate: PACE-Q's branch × the share of the cell's return spread that its
+            actions explain (SS_between / SS_total).
     """
 
     step_partition: str = "hidden"
@@ -160,6 +175,9 @@ class EstimatorSettings:
     normalize_distance: bool = False
     similarity_merge: bool = False
     similarity_threshold: float = 0.95
+    milestone_threshold: float = 0.95
+    pace_evidence: float = 0.0
+    pace_variance_gate: bool = False
 
     def __post_init__(self):
         def fail(name, message):
@@ -213,11 +231,25 @@ class EstimatorSettings:
         choice("level_weights", tuple(LEVEL_WEIGHT_OFFSETS))
         if isinstance(self.level_alpha, bool) or not math.isfinite(float(self.level_alpha)):
             fail("level_alpha", "must be a finite number (HGPO: 1).")
-        for name in ("drop_zero_levels", "base_group", "normalize_distance", "similarity_merge"):
+        for name in ("drop_zero_levels", "base_group", "normalize_distance", "similarity_merge", "pace_variance_gate"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False.")
+        if isinstance(self.pace_evidence, bool) or not 0.0 <= float(self.pace_evidence) < math.inf:
+            fail("pace_evidence", "must be a finite number >= 0 (pseudo-counts; 0 = plain PACE-Q).")
         choice("step_return", STEP_RETURNS)
         self._check_graph(fail, kind)
+        self._check_milestones(fail)
+
+    def _check_milestones(self, fail) -> None:
+        """The combinations the milestone return does not have."""
+        if isinstance(self.milestone_threshold, bool) or not 0.0 < float(self.milestone_threshold) <= 1.0:
+            fail("milestone_threshold", "must lie in (0, 1] (a difflib ratio; BEACON: 0.95).")
+        if self.step_return != "milestone":
+            return
+        if self.step_baseline == "gae":
+            fail("step_return", "cannot be 'milestone' with step_baseline='gae' (GAE sums rewards; a milestone return is none).")
+        if self.bootstrap_truncated:
+            fail("bootstrap_truncated", "applies to step_return='discounted' only (a milestone return never bootstraps).")
 
     def _check_graph(self, fail, kind) -> None:
         """The combinations the graph return does not have."""
@@ -247,10 +279,17 @@ class EstimatorSettings:
         return self.partition_kind.has_cells and self.w_step != 0.0
 
     @property
+    def uses_milestones(self) -> bool:
+        """The step term reads the env's milestones (the `segment` cells or the milestone return)."""
+        return self.has_step_term and ("milestone" in self.partition_kind.needs or self.step_return == "milestone")
+
+    @property
     def rollout_needs(self) -> frozenset[str]:
-        """The `StepBatch` fields the partition reads, when there is a step term: what the
-        rollout must record beyond rewards (the trainer captures hidden states iff "hidden")."""
-        return self.partition_kind.needs if self.has_step_term else frozenset()
+        """The `StepBatch` fields the step term reads: what the rollout must record beyond rewards
+        (the trainer captures hidden states iff "hidden", asks the envs for milestones iff "milestone")."""
+        if not self.has_step_term:
+            return frozenset()
+        return self.partition_kind.needs | ({"milestone"} if self.uses_milestones else set())
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -267,6 +306,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GraphGPO's recipe/GraphGPO/config/graphgpo_trainer.yaml: γ 0.1, weights 1, mean_std, no merge
     "graphgpo": dict(step_partition="hash", step_baseline="mean", step_return="graph", step_gamma=0.1),
     "bigraphgpo": dict(step_partition="hidden", step_baseline="mean", step_return="graph", step_gamma=0.1),
+    # BEACON's examples/migpo_trainer/run_webshop.sh and run_sciworld.sh: mode mean_norm, γ 0.95, weight 1,
+    # threshold 0.95 (run_alfworld.sh: γ 0.9, weight 10; recipes/)
+    "beacon": dict(
+        step_partition="segment", step_baseline="mean", step_return="milestone", advantage_norm="mean",
+        step_gamma=0.95, w_step=1.0, milestone_threshold=0.95,
+    ),
 }
 
 
@@ -469,6 +514,8 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
     """The estimate at a fixed ε (None for a partition that takes none)."""
     start = time.perf_counter()
     layout = BatchLayout.from_batch(batch)
+    if settings.uses_milestones:  # a static plan becomes flags here, by BEACON's match at the set threshold
+        batch = with_plan_flags(batch, layout, settings.milestone_threshold)
     ep_adv = episode_advantage(
         batch.reward,
         batch.valid,
@@ -492,6 +539,8 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
             action_key=batch.action_key,
             norm=settings.advantage_norm,
             pace_norm=settings.pace_norm,
+            pace_evidence=settings.pace_evidence,
+            pace_variance_gate=settings.pace_variance_gate,
             layout=layout,
             gamma=settings.step_gamma,
             lam=settings.gae_lambda,
@@ -512,6 +561,10 @@ def _estimate(batch: StepBatch, settings: EstimatorSettings, eps: float | None, 
     diagnostics = _diagnostics(settings, partition, step_result, advantage, ep_adv, step_adv, eps)
     if graph is not None:
         diagnostics.update(graph_diagnostics(graph, layout))
+    if settings.uses_milestones and batch.milestone is not None and len(batch):
+        reached = batch.milestone.to(torch.float64)
+        diagnostics["milestone/per_episode"] = float(reached.sum()) / max(layout.num_traj, 1)
+        diagnostics["milestone/step_frac"] = float(reached.mean())
     diagnostics["time/partition_s"] = partition_seconds
     diagnostics["time/estimator_s"] = time.perf_counter() - start
     estimate = StepEstimate(advantage.to(torch.float32), diagnostics)
@@ -537,9 +590,16 @@ def _returns(settings, batch, layout, partition):
 
     R = R^env - p (`step_returns`), with R^env kept apart for the baselines that keep the
     penalty out of their recursion (gae). Under step_return="graph", R^env is the graph
-    return 10 γ^d (`graph`) over the cells of the base partition (no context levels).
+    return 10 γ^d (`graph`) over the cells of the base partition (no context levels); under
+    "milestone", BEACON's 10 γ^(next(t) - t) toward the segment's milestone (`milestones`).
     """
     penalty = settings.invalid_action_penalty * (~batch.valid).to(torch.float64)
+    if settings.step_return == "milestone":
+        if batch.milestone is None:
+            raise ValueError(
+                "step_return='milestone' needs StepBatch.milestone (or milestone_plan and action_text): the env's milestones."
+            )
+        return milestone_returns(batch.milestone, layout, settings.step_gamma), penalty, None, None
     if settings.step_return == "graph":
         graph = _graph(settings, batch, layout, partition)
         return graph_returns(graph, settings.step_gamma, settings.normalize_distance), penalty, None, graph

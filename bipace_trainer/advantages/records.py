@@ -18,9 +18,16 @@ flat, one row per step, in any order:
                           anchors' numbering; -1 (None among texts): none was recorded
                           (an env fault), a dead end. The graph return reads it; without
                           it, the next step's anchor, and a dead end after a failed last step
+    milestone (N,) bool   optional: the step reached a milestone, as the env flagged it
+                          (the `segment` partition and the milestone return read it)
+    milestone_plan (N,) int64 optional: the step's task's ordered milestone actions, as
+                          an id into `milestone_plans` (-1: none); given as one sequence of
+                          strings (or None) per step, like the anchors
+    action_text (N,)      optional: the action each step sent, the text a plan is matched on
 
 Anchors given as strings (or any non-int values) keep their texts in `anchor_text`
-(id -> value), which the graph return's string-similarity merge reads.
+(id -> value), which the graph return's string-similarity merge reads. Milestone plans
+keep theirs in `milestone_plans` (id -> tuple of actions).
 
 Strings (anchors, action keys) are turned into int64 ids with `factorize`, once,
 outside the hot path. `BatchLayout` derives the dense indices every estimator needs
@@ -160,6 +167,10 @@ class StepBatch:
     truncated: torch.Tensor | None = None
     next_anchor: torch.Tensor | None = None
     anchor_text: tuple | None = None
+    milestone: torch.Tensor | None = None
+    milestone_plan: torch.Tensor | None = None
+    milestone_plans: tuple | None = None
+    action_text: tuple | None = None
 
     def __post_init__(self):
         self.group = _as_long("group", self.group, None)
@@ -190,6 +201,26 @@ class StepBatch:
             self.hidden = torch.as_tensor(self.hidden)
             if self.hidden.dim() != 2 or self.hidden.shape[0] != n:
                 raise ValueError(f"StepBatch.hidden must have shape (N, d) with N={n}, got {tuple(self.hidden.shape)}.")
+        self._milestone_fields(n)
+
+    def _milestone_fields(self, n: int) -> None:
+        """Flags as bools; plans as ids into `milestone_plans` (tuples of strings), with the actions they match."""
+        if self.milestone is not None:
+            self.milestone = torch.as_tensor(self.milestone, dtype=torch.bool).reshape(-1)
+            if self.milestone.shape[0] != n:
+                raise ValueError(f"StepBatch.milestone must have shape (N,)={(n,)}, got {tuple(self.milestone.shape)}.")
+        if self.action_text is not None:
+            self.action_text = tuple(str(a) for a in self.action_text)
+            if len(self.action_text) != n:
+                raise ValueError(f"StepBatch.action_text must hold N={n} actions, got {len(self.action_text)}.")
+        if self.milestone_plan is None or isinstance(self.milestone_plan, torch.Tensor):
+            return
+        if self.action_text is None:
+            raise ValueError("StepBatch.milestone_plan needs StepBatch.action_text (the actions a plan is matched on).")
+        table: dict[tuple, int] = {}
+        ids = [-1 if plan is None else table.setdefault(tuple(str(m) for m in plan), len(table)) for plan in self.milestone_plan]
+        self.milestone_plan = _as_long("milestone_plan", ids, n)
+        self.milestone_plans = tuple(table)
 
     def __len__(self) -> int:
         return self.group.shape[0]

@@ -306,6 +306,7 @@ class RolloutCollector:
                 backend=args.env_backend,
                 num_workers=args.env_workers,
                 step_timeout=args.env_step_timeout,
+                milestones=name == "train" and "milestone" in args.estimator.rollout_needs,  # plans at reset (BEACON)
             )
             if name == "train" and self.resumed_env_counters:
                 envs.add_counters(self.resumed_env_counters)  # env/* metrics continue the checkpointed run's

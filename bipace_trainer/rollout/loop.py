@@ -46,6 +46,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+from envs.base import MILESTONE_PLAN
+
 from .adapters import EnvAdapter, TextEnvAdapter, is_failure
 from .continuous import InlineEnvRunner, ThreadEnvRunner, continuous, continuous_stream
 from .lockstep import lockstep
@@ -181,6 +183,8 @@ def _start(envs, tasks: Sequence[TaskRef], adapter: EnvAdapter, traj_offset: int
     seconds["env_wait"] += clock() - start
     for episode, result in zip(episodes, current):
         episode.task = (result.info or {}).get("task", "") if result is not None else ""
+        plan = (result.info or {}).get(MILESTONE_PLAN) if result is not None else None
+        episode.milestones = tuple(plan) if plan is not None else None
     done = [False] * n
     for i, result in enumerate(current):
         if is_failure(result):  # zero-length episode

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from envs.base import MILESTONE_FLAG
+
 from .adapters import EnvAdapter, is_failure
 from .types import Generation, RolloutSettings, StepRecord
 
@@ -89,6 +91,7 @@ class Play:
                 reward=reward,
                 hidden=hidden,
                 sampling_logprobs=logprobs,
+                milestone=None if failed else (result.info or {}).get(MILESTONE_FLAG),
             )
         )
         episode.length += 1

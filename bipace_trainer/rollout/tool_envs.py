@@ -36,7 +36,14 @@ answers without a tool call, and the whole chat is one sample with one advantage
   empty text) tells no state apart, so that turn's state is its episode's history of calls
   and results instead (distinct histories never share a cell), with a warning once per tool;
 - `get_reward()` must return a number: anything else (the string "1.0", None) stops the run
-  with an error naming the env's method and the type, as a wrong reward is not an env fault.
+  with an error naming the env's method and the type, as a wrong reward is not an env fault;
+- milestones (BEACON's, docs/concepts/math.md#milestones): an env class that declares an integer
+  attribute `milestones_reached` (`milestones_reached = 0` on the class; its tools add one for each
+  milestone of the task they reach, its `reset` sets it back to 0) flags the turns whose tool calls
+  raised it (`info["milestone"]`). An attribute, not a method: TRL makes every public method a tool.
+  An estimator that reads milestones refuses a factory whose classes do not declare it, before
+  the model loads (`check_milestones`). A static plan is not offered here: a turn is a set of tool
+  calls, not one command a plan could name (`envs.as_trl_environment` flags for our flag envs).
 
 Each rollout's env lives in a `ToolSession`, a `TextEnv` that a `VectorEnv` holds, so
 TRL's envs get the same failure contract, timeouts and counters as ours. Instances are
@@ -55,7 +62,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
-from envs.base import StepResult, TextEnv
+from envs.base import MILESTONE_FLAG, StepResult, TextEnv
 from envs.trl_env import EnvironmentFailure
 
 from .adapters import EnvAdapter, is_failure as _is_failure
@@ -64,10 +71,12 @@ from .types import Action, Rollout, TaskRef
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ToolSession", "ToolEnvAdapter", "PromptAdapter", "ToolEnvSetup", "tool_methods", "check_environment_factory", "SCORE",
+    "ToolSession", "ToolEnvAdapter", "PromptAdapter", "ToolEnvSetup", "tool_methods", "check_environment_factory",
+    "check_milestones", "SCORE", "MILESTONE_COUNT",
 ]
 
 SCORE = "__bipace_score__"  # the command that asks a session for its env's get_reward()
+MILESTONE_COUNT = "milestones_reached"  # an env's optional count of the milestones it reached (module docstring)
 _warned_stateless: set[str] = set()  # tools already warned about (once per process)
 
 
@@ -100,6 +109,23 @@ def check_environment_factory(factory: Any, datasets: dict[str, Any]) -> None:
                 f"`environment_factory`. Expected one of: {list(factory)}. {label}: {count} of {len(names)} rows "
                 f"name an unknown environment ({', '.join(map(repr, unknown))}); fix their 'environment' column."
             )
+
+
+def check_milestones(factory: Any, needed: bool) -> None:
+    """Refuse, before the model loads, TRL envs that give no milestones to an estimator that reads them."""
+    if not needed:
+        return
+    factories = factory if isinstance(factory, dict) else {None: factory}
+    lacking = [name for name, one in factories.items() if one is None or not hasattr(one, MILESTONE_COUNT)]
+    if lacking:
+        where = "tools alone" if factory is None else ", ".join(
+            "environment_factory" if name is None else f"environment_factory[{name!r}]" for name in lacking
+        )
+        raise ValueError(
+            f"The estimator reads milestones (BEACON's), which {where} do(es) not give: declare "
+            f"`{MILESTONE_COUNT} = 0` on the env class and add one in the tools that reach the task's next "
+            "milestone (reset sets it back to 0), or pick a preset without milestones."
+        )
 
 
 def tool_methods(env: Any) -> list[Callable]:
@@ -173,6 +199,7 @@ class ToolSession(TextEnv):
             value = _run(reward()) if reward else 0.0
             return StepResult(observation="", done=True, info={"get_reward": value, "env_class": type(self.env).__name__})
         tools = {tool.__name__: tool for tool in self.standalone + tool_methods(self.env)}
+        reached_before = getattr(self.env, MILESTONE_COUNT, None)  # TRL's envs are duck-typed, as get_reward is
         messages, failures, stateless = [], 0, []
         for call in json.loads(command):
             name, arguments = call["name"], call["arguments"]
@@ -194,6 +221,8 @@ class ToolSession(TextEnv):
             messages.append({"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)})
         text = "\n".join(_text(m["content"]) for m in messages)
         info = {"tool_messages": messages, "tool_calls": len(messages), "tool_failures": failures}
+        if reached_before is not None:
+            info[MILESTONE_FLAG] = getattr(self.env, MILESTONE_COUNT) > reached_before
         if stateless:
             info["stateless_tools"] = stateless
         return StepResult(observation=text, anchor=text, info=info)

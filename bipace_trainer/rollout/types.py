@@ -120,6 +120,7 @@ class StepRecord:
     observation: str = ""  # what the env showed the agent before this step
     hidden: torch.Tensor | None = None
     sampling_logprobs: list[float | None] | None = None  # the generation backend's, per completion token
+    milestone: bool | None = None  # the env flagged this step as reaching a milestone (None: it says nothing)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class Episode:
     # state was reached), or it took no step (a reset that failed or solved the task).
     final_observation: str | None = None
     final_anchor: str | None = None
+    milestones: tuple[str, ...] | None = None  # the task's milestone plan, when the env gave one at reset
 
 
 @dataclass
@@ -173,6 +175,9 @@ class Rollout:
         if hidden is None and steps and all(s.hidden is not None for s in steps):
             hidden = torch.stack([s.hidden for s in steps])
         last_of_cut = {e.traj: e.length - 1 for e in self.episodes if e.truncated}  # the turn budget ended these
+        plans = {e.traj: e.milestones for e in self.episodes}
+        has_plans = any(plans[s.traj] is not None for s in steps)
+        has_flags = has_plans or any(s.milestone is not None for s in steps)
         return StepBatch(
             group=[s.group for s in steps],
             traj=[s.traj for s in steps],
@@ -184,6 +189,9 @@ class Rollout:
             hidden=hidden,
             truncated=[last_of_cut.get(s.traj) == s.t for s in steps],
             next_anchor=self.next_anchors(),
+            milestone=[bool(s.milestone) for s in steps] if has_flags else None,
+            milestone_plan=[plans[s.traj] for s in steps] if has_plans else None,
+            action_text=[s.action for s in steps],
         )
 
     def next_anchors(self) -> list[str | None]:

@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python -m studies.oracle.study --env alfworld    # (~45 min together on a loaded 2-core machine)
     OMP_NUM_THREADS=1 python -m studies.oracle.study --size ci         # CI size (~40 s of CPU, tiny random model)
     OMP_NUM_THREADS=1 python -m studies.oracle.study --size hierarchy --env textcraft   # HGPO rows, no hidden states
+    OMP_NUM_THREADS=1 python -m studies.oracle.study --size evidence --out studies/oracle/results/beacon   # issue 58's rows
     python -m studies.oracle.study --report studies/oracle/results/oracle_study_*.json   # tables and plots of finished runs
     OMP_NUM_THREADS=1 python -m studies.oracle.study --env textcraft --variation 0 0.5 1   # surface-variation rows
                                                                                     # (studies/oracle/variation.py)
@@ -95,6 +96,16 @@ BASELINES = ("mean", "pace_q", "pace_diff", "gae")
 PARTITIONS = ("hash", "hidden", "true")
 CONTEXT_LEVELS = 2  # HGPO's K in its public scripts (= the prompts' history window)
 HIERARCHY_LEVEL_BASELINES = {"hierarchy": "mean", "hierarchy_pace_q": "pace_q"}
+# PACE-Q with evidence (docs/concepts/math.md#pace-evidence) beside plain PACE-Q on the same cells: the candidate
+# for bipace_q's default, κ = 1, written down before the run (docs/results/beacon.md), and two variants
+EVIDENCE = {
+    "pace_q_evidence1": dict(pace_evidence=1.0),
+    "pace_q_evidence2": dict(pace_evidence=2.0),
+    "pace_q_gate": dict(pace_variance_gate=True),
+}
+EVIDENCE_CANDIDATE = "pace_q_evidence1"
+# BEACON's milestone return over its segment cells and over state cells (docs/concepts/math.md#milestones)
+MILESTONE_CELLS = {"segment": "segment", "hash": "hash", "true": "hash"}
 EPS_SWEEP = (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 
 
@@ -139,6 +150,20 @@ SIZES = {
                 env_kwargs={"source": "auto"},  # official games when $ALFWORLD_DATA has them
             ),
         }
+    ),
+    # Issue 58's rows (BEACON, PACE-Q with evidence; docs/results/beacon.md): the "full" batches and their
+    # pretrained hidden states at the presets' layer only, no random-init control and no ε sweep over layers
+    "evidence": Size(
+        envs={
+            "textcraft": EnvSize(
+                tasks=2, max_turns=30, expert_probs=(0.2, 0.5, 0.7, 0.9), seeds=(0, 1, 2, 3, 4),
+                hidden=((0, 0.7), (1, 0.7), (2, 0.7)),
+            ),
+            "alfworld": EnvSize(
+                tasks=2, max_turns=50, seeds=(0, 1), hidden=((0, 0.7), (1, 0.7)), env_kwargs={"source": "auto"},
+            ),
+        },
+        layers=(-12,),
     ),
     # HGPO's rows (context consistency, accuracy with and without the hierarchy) without the
     # hidden-state forward passes that dominate "full": hash and true-state partitions only
@@ -360,6 +385,10 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
             )
             estimate = estimate_advantages(source, settings)
             out["axes"][f"{partition}/{baseline}"] = estimator_metrics(estimate, a_star, state_ids, group)
+            if baseline == "pace_q":
+                for name, evidence in EVIDENCE.items():
+                    shrunk = estimate_advantages(source, dataclasses.replace(settings, **evidence))
+                    out["axes"][f"{partition}/{name}"] = estimator_metrics(shrunk, a_star, state_ids, group)
             if baseline == "mean":  # the value proxy is the same cell mean for every baseline
                 proxy = cell_means(estimate.step_return.numpy(), estimate.cell.numpy())
                 shared = np.bincount(estimate.cell.numpy())[estimate.cell.numpy()] > 1
@@ -382,6 +411,10 @@ def evaluate_batch(batch: TruthBatch, hidden: dict[str, dict[int, torch.Tensor]]
             estimate = estimate_advantages(source, settings)
             out["axes"][f"{partition}/{name}"] = estimator_metrics(estimate, a_star, state_ids, group)
     out["context"] = context_consistency(plain, layout, state_ids, group)
+    for name, cells in MILESTONE_CELLS.items():  # BEACON's return on its own cells and on state cells, w_ep = 0
+        settings = resolve_settings("beacon", step_partition=cells, w_ep=0.0)
+        estimate = estimate_advantages(true_anchor if name == "true" else plain, settings)
+        out["axes"][f"{name}/milestone"] = estimator_metrics(estimate, a_star, state_ids, group)
 
     for model, states in hidden.items():
         for layer in size.layers:
@@ -666,11 +699,61 @@ def tables(result: dict[str, Any]) -> str:
                         f"| {name} | {key} | {g['calibrated_eps']:.2g} | {q['singleton_rate']:.3f} "
                         f"| {q['purity']:.3f} | {q['split_rate']:.3f} | {g.get('separation', {}).get('auc', math.nan):.3f} |"
                     )
+    if any(f"hash/{EVIDENCE_CANDIDATE}" in b["axes"] for b in result["batches"]):
+        lines += evidence_table(result)
     paper = PAPER_SINGLETONS
     lines.append(
         f"\nPaper (BiPACE, ALFWorld, Qwen2.5-7B): singleton rate hash {paper['hash']:.3f}, hidden {paper['hidden']:.3f}."
     )
     return "\n".join(lines)
+
+
+def evidence_deltas(result: dict[str, Any], variant: str) -> dict[tuple[str, float, str], dict[str, list[float]]]:
+    """Per (env, p, partition): the paired differences `variant` − plain PACE-Q over seeds, per metric."""
+    deltas: dict = {}
+    for b in result["batches"]:
+        for partition in PARTITIONS:
+            plain, other = b["axes"].get(f"{partition}/pace_q"), b["axes"].get(f"{partition}/{variant}")
+            if plain is None or other is None:
+                continue
+            entry = deltas.setdefault((b["env"], b["expert_prob"], partition), {"spearman": [], "sign_agreement": []})
+            for metric, values in entry.items():
+                if not (math.isnan(plain[metric]) or math.isnan(other[metric])):
+                    values.append(other[metric] - plain[metric])
+    return deltas
+
+
+def evidence_table(result: dict[str, Any]) -> list[str]:
+    """PACE-Q with evidence against plain PACE-Q, paired by seed in every env × p cell and partition, and
+    whether the candidate is at least as accurate in every one (the rule for making it bipace_q's default)."""
+    lines = ["\n**PACE-Q with evidence − plain PACE-Q, paired by seed** (w_ep = 0; mean [min, max] over seeds)\n"]
+    lines.append("| variant | env | p | partition | seeds | Δ Spearman | Δ sign agr. |")
+    lines.append("|---|---|---|---|---|---|---|")
+    verdicts = {}
+    for variant in EVIDENCE:
+        deltas = evidence_deltas(result, variant)
+        worse = []
+        for (env, p, partition), d in sorted(deltas.items(), key=lambda kv: (kv[0][0], kv[0][1], PARTITIONS.index(kv[0][2]))):
+            cells = []
+            for metric in ("spearman", "sign_agreement"):
+                values = d[metric]
+                if not values:
+                    cells.append("–")
+                    continue
+                mean = statistics.fmean(values)
+                worse += [(env, p, partition, metric, mean)] if mean < 0 else []
+                cells.append(f"{mean:+.3f} [{min(values):+.3f}, {max(values):+.3f}]")
+            seeds = max(len(d["spearman"]), len(d["sign_agreement"]))
+            lines.append(f"| {variant} | {env} | {p} | {partition} | {seeds} | {cells[0]} | {cells[1]} |")
+        verdicts[variant] = worse
+    for variant, worse in verdicts.items():
+        tag = " (the candidate)" if variant == EVIDENCE_CANDIDATE else ""
+        if worse:
+            listed = ", ".join(f"{env} p {p} {partition} {metric} {mean:+.3f}" for env, p, partition, metric, mean in worse)
+            lines.append(f"\n{variant}{tag}: less accurate on average in {len(worse)} cell(s): {listed}.")
+        else:
+            lines.append(f"\n{variant}{tag}: at least as accurate as plain PACE-Q in every cell, both metrics.")
+    return lines
 
 
 def context_table(env: str, cells: dict[str, Any]) -> list[str]:

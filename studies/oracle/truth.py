@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from bipace_trainer.run.demonstrations import format_reply
 from bipace_trainer.rollout.loop import Generation, Rollout, RolloutSettings, TaskRef, run_rollouts
-from envs.base import StepResult, resolve_env_class
+from envs.base import MILESTONE_PLAN, StepResult, resolve_env_class
 from envs.factory import build_env
 from envs.surface import SurfaceVariation, unwrap
 
@@ -171,6 +171,8 @@ class _TruthEnvs:
         for env, task_id in zip(self.envs, task_ids):
             result = env.reset(task_id)
             result.info = {**(result.info or {}), "task": env.task}
+            if env.milestone_kind == "plan":  # as VectorEnv(milestones=True) does: BEACON's plan rows
+                result.info[MILESTONE_PLAN] = env.milestones()
             results.append(result)
         self.latest = list(results)
         self.seconds += time.perf_counter() - start

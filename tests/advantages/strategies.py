@@ -23,7 +23,8 @@ REWARDS = [0.0, 0.0, 1.0, 0.5, -1.0, 10.0]
 @st.composite
 def step_lists(draw, max_groups=4, max_traj=4, max_len=6, num_anchors=4, num_keys=3):
     """A shuffled flat list of step dicts: variable lengths, singletons, repeated anchors,
-    one-trajectory groups, all-equal rewards (sparse terminal rewards) all occur."""
+    one-trajectory groups, all-equal rewards (sparse terminal rewards) all occur; milestone
+    flags at random (what BEACON's segments and return read)."""
     steps = []
     group_ids = draw(st.lists(st.integers(-50, 50), min_size=1, max_size=max_groups, unique=True))
     traj_ids = iter(draw(st.permutations(range(1000, 1000 + max_groups * max_traj))))
@@ -53,6 +54,7 @@ def step_lists(draw, max_groups=4, max_traj=4, max_len=6, num_anchors=4, num_key
                         key=f"act-{draw(st.integers(0, num_keys - 1))}",
                         hidden=[scale * v for v in PROTOTYPES[proto]],
                         truncated=truncated and t == length - 1,
+                        milestone=draw(st.booleans()),
                     )
                 )
     order = draw(st.permutations(range(len(steps))))
@@ -70,4 +72,5 @@ def to_batch(steps) -> StepBatch:
         action_key=[s["key"] for s in steps],
         hidden=torch.tensor([s["hidden"] for s in steps], dtype=torch.float32),
         truncated=[s.get("truncated", False) for s in steps],
+        milestone=[s.get("milestone", False) for s in steps],
     )

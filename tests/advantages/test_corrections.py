@@ -137,7 +137,7 @@ def test_truncated_must_mark_a_last_step():
 def test_rollout_marks_the_last_step_of_each_cut_trajectory():
     def step(traj, t):  # the fields step_batch reads of a StepRecord
         return SimpleNamespace(group=0, traj=traj, t=t, reward=0.0, valid=True, anchor=f"s{t}", action_key="go",
-                               hidden=None)  # fmt: skip
+                               action="go", hidden=None, milestone=None)  # fmt: skip
 
     episodes = [Episode(traj=7, group=0, task_id=0, attributes={}, length=2, truncated=True),
                 Episode(traj=8, group=0, task_id=0, attributes={}, length=2, won=True)]  # fmt: skip

@@ -11,6 +11,7 @@ from bipace_trainer.advantages import (
     BatchLayout,
     StepBatch,
     compute_advantages,
+    estimate_advantages,
     factorize,
     hash_partition,
     hidden_partition,
@@ -165,7 +166,7 @@ def copied_group(draw):
     valid = draw(st.lists(st.sampled_from([True, True, False]), min_size=length, max_size=length))
     steps = [  # a new state each turn (a state seen twice in one trajectory has two returns)
         dict(group=99, traj=5000 + k, t=t, reward=rewards[t], valid=valid[t], anchor=f"copied-{t}",
-             key=f"act-{t % 2}", hidden=PROTOTYPES[t])
+             key=f"act-{t % 2}", hidden=PROTOTYPES[t], milestone=t % 2 == 1)
         for k in range(copies)
         for t in range(length)
     ]
@@ -175,8 +176,14 @@ def copied_group(draw):
     return [merged[i] for i in order]
 
 
+# BEACON's cells are stages of the task, not states: one segment holds the steps before a milestone
+# and the milestone step, whose returns differ (10 γ^k), so identical trajectories do get step
+# credit there (`test_beacon_credits_the_steps_of_identical_trajectories_by_their_distance`).
+STATE_PRESETS = sorted(name for name in PRESETS if resolve_settings(name).step_partition != "segment")
+
+
 @settings(max_examples=80, deadline=None)
-@given(steps=copied_group(), preset=st.sampled_from(sorted(PRESETS)), gamma=st.sampled_from([0.9, 0.95, 0.99]))
+@given(steps=copied_group(), preset=st.sampled_from(STATE_PRESETS), gamma=st.sampled_from([0.9, 0.95, 0.99]))
 def test_a_group_of_identical_trajectories_gets_exactly_zero(steps, preset, gamma):
     """Nothing tells identical trajectories apart, so every step gets exactly 0, not a
     rounding residue: the trainer skips an update only when all advantages are 0."""
@@ -185,3 +192,23 @@ def test_a_group_of_identical_trajectories_gets_exactly_zero(steps, preset, gamm
     advantage, _ = compute_advantages(batch, settings_)
     copied = batch.group == 99  # integer group ids are kept as given
     assert copied.any() and (advantage[copied] == 0).all(), advantage[copied]
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=copied_group(), gamma=st.sampled_from([0.9, 0.95, 0.99]))
+def test_beacon_credits_the_steps_of_identical_trajectories_by_their_distance(steps, gamma):
+    """Under `beacon` identical trajectories get the same advantage step by step (nothing tells
+    the copies apart), and within a segment a step nearer its milestone gets more: the step term
+    is R_t − the segment's mean, R_t = 10 γ^(steps to the milestone) − the penalty."""
+    batch = to_batch(steps)
+    estimate = estimate_advantages(batch, resolve_settings("beacon", step_gamma=gamma, w_ep=0.0))
+    copied = (batch.group == 99).nonzero().flatten().tolist()
+    by_t: dict[int, set[float]] = {}
+    for i in copied:
+        by_t.setdefault(int(batch.t[i]), set()).add(float(estimate.advantage[i]))
+    assert all(len(values) == 1 for values in by_t.values()), by_t
+    for i in copied:
+        for j in copied:
+            if estimate.cell[i] == estimate.cell[j] and batch.valid[i] and batch.valid[j] and batch.t[i] < batch.t[j]:
+                nearer = estimate.step_return[j] > 0  # a milestone closes the segment: j is nearer it than i
+                assert estimate.advantage[i] < estimate.advantage[j] if nearer else estimate.advantage[i] == estimate.advantage[j]

@@ -27,13 +27,14 @@ def test_estimator_benchmark(tmp_path):
     presets = {row["preset"] for row in result["presets"]}
     assert presets == {
         "grpo", "gigpo", "bigpo", "bipace_q", "bipace_diff", "gagpo", "bigagpo", "hgpo", "bihgpo", "bihpace_q",
-        "graphgpo", "bigraphgpo",
+        "graphgpo", "bigraphgpo", "beacon", "beacon (plan)",
     }  # fmt: skip
     assert all(row["steps_per_s"] > 0 and row["reference_seconds"] > 0 for row in result["presets"])
     # the hierarchy presets are timed against verl-agent's HGPO, the others against its GiGPO
     assert {row["preset"] for row in result["presets"] if row["reference"] == "hgpo"} == {"hgpo", "bihgpo", "bihpace_q"}
     assert {row["preset"] for row in result["presets"] if row["reference"] == "graphgpo"} == {"graphgpo", "bigraphgpo"}
-    assert {row["preset"] for row in result["scaling"]} == {"gigpo", "bipace_q", "gagpo", "hgpo", "graphgpo"}
+    assert {row["preset"] for row in result["presets"] if row["reference"] == "beacon"} == {"beacon", "beacon (plan)"}
+    assert {row["preset"] for row in result["scaling"]} == {"gigpo", "bipace_q", "gagpo", "hgpo", "graphgpo", "beacon"}
     assert 0.0 <= result["calibration"]["eps"] <= 0.3
     assert "speed-up" in printed
 

@@ -541,3 +541,22 @@ def test_official_data_errors_say_where_json_2_1_1_is(tmp_path):
         AlfWorldEnv.tasks("train", data_dir=str(tmp_path / "data" / "json_2.1.1"))
     with pytest.raises(EnvUnavailableError, match=f"{tmp_path / 'data'} has: point there"):
         AlfWorldEnv.tasks("train", data_dir=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_milestones_are_the_experts_plan_from_the_start_and_the_expert_reaches_them_all(env, generated):
+    """BEACON's ALFWorld milestones: the expert's whole plan from the start state (the walkthrough of a
+    generated game), which the expert's own episode matches step for step."""
+    from bipace_trainer.advantages.milestones import match_milestones
+
+    for task_type in ("pick_and_place_simple", "pick_heat_then_place_in_recep"):
+        task_id = _first(AlfWorldEnv.tasks("train", **generated["kwargs"]), task_type).task_id
+        env.reset(task_id)
+        plan = env.milestones()
+        actions = []
+        result = None
+        while result is None or not result.done:
+            actions.append(env.expert_action())
+            result = env.step(actions[-1])
+        assert plan == actions and all(match_milestones(actions, plan, 0.95))
+        assert env.milestones() == plan  # asked again after the episode: the same list, not a new plan

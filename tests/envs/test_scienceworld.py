@@ -144,3 +144,17 @@ def test_close_stops_the_jvm():
     env.close()
     java.wait(timeout=10)
     assert java.poll() is not None
+
+
+@pytest.mark.slow
+def test_a_step_whose_score_rose_reached_a_milestone(env):
+    """BEACON's `subgoal_completed`: the steps of the gold path that raised the score are flagged, no other."""
+    first = env.reset(_task_id("find-living-thing", 3))
+    assert env.milestone_kind == "flag" and not first.info.get("milestone", False)
+    previous, flagged, rose = 0.0, [], []
+    while env.expert_action() is not None:
+        result = env.step(env.expert_action())
+        flagged.append(result.info["milestone"])
+        rose.append(result.info["score"] > previous)
+        previous = result.info["score"]
+    assert flagged == rose and sum(flagged) >= 2 and flagged[-1]

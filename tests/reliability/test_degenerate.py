@@ -15,11 +15,14 @@ PRESET_NAMES = sorted(PRESETS)
 
 def batch(rows):
     """Step rows (group, traj, t, reward, anchor, key); the hidden state of a step is the
-    one-hot of its anchor, so hidden and hash partitions see the same states."""
+    one-hot of its anchor, so hidden and hash partitions see the same states. No step reaches a
+    milestone: BEACON's degenerate case, every milestone return 0."""
     group, traj, t, reward, anchor, key = (list(c) for c in zip(*rows)) if rows else ([],) * 6
     ids = factorize(anchor)
     hidden = torch.nn.functional.one_hot(ids, int(ids.max()) + 1 if len(ids) else 1).float()
-    return StepBatch(group=group, traj=traj, t=t, reward=reward, anchor=anchor, action_key=key, hidden=hidden)
+    return StepBatch(
+        group=group, traj=traj, t=t, reward=reward, anchor=anchor, action_key=key, hidden=hidden, milestone=[False] * len(group)
+    )
 
 
 def assert_finite_zero(advantages):
@@ -39,7 +42,7 @@ def test_every_step_a_singleton_gives_no_step_term(preset):
     settings = resolve_settings(preset, cluster_eps=0.0, w_ep=0.0 if preset not in ("grpo",) else 1.0)
     advantages, diagnostics = compute_advantages(batch(rows), settings)
     assert torch.isfinite(advantages).all()
-    if settings.step_partition != "none":
+    if settings.step_partition not in ("none", "segment"):  # BEACON's segment 0 holds every first step
         assert diagnostics["estimator/singleton_rate"] == 1.0
         assert (advantages == 0).all()
 

@@ -49,6 +49,8 @@ def test_two_training_steps(preset, warm_policy, tmp_path):
         assert "estimator/singleton_rate" in logged
     if args.estimator.step_partition == "hidden":
         assert "estimator/cluster_eps" in logged
+    if args.estimator.uses_milestones:  # the tiny env's milestone flags reached the estimator (BEACON)
+        assert {"milestone/per_episode", "milestone/step_frac"} <= logged
     if args.estimator.step_baseline == "hierarchy":  # HGPO's per-level diagnostics reach the logs
         assert {"hierarchy/level0/cell_size_mean", "hierarchy/deepest_level0_frac", "hierarchy/no_level_frac"} <= logged
 

@@ -274,3 +274,28 @@ def test_two_processes_train_and_evaluate_with_a_reward_function_on_unequal_shar
     # and a 1-task evaluation, which leaves rank 1 nothing to play (under ZeRO-3 it still joins
     # every generate call, which gathers the parameters), ends on both ranks
     assert ranks[0]["one_task_eval"]["num_tasks"] == ranks[1]["one_task_eval"]["num_tasks"] == 1
+
+
+def test_beacon_trains_on_a_trl_env_that_counts_its_milestones_and_refuses_one_that_does_not(tool_policy, tmp_path):
+    """`as_trl_environment` declares `milestones_reached` for the tiny env (a flag env): each turn whose tool call
+    raised it is a milestone step of the estimator's batch. A factory without the count is refused before the
+    model loads (here the same class without its declaration)."""
+    model, tokenizer = tool_policy
+    data = trl_task_dataset("tiny", **TINY_KWARGS)
+    args = bipace_args(tmp_path, preset="beacon", tasks_per_iteration=1, num_generations=4, max_turns=3)
+    trainer = Recording(model=model, processing_class=tokenizer, args=args, train_dataset=data, environment_factory=Tiny)
+    trainer.recorded = []
+    trainer.train()
+    trainer.close_envs()
+    rollout, estimate = trainer.recorded[0]
+    # a turn that ran tool calls says whether they reached one; an answer (no call) says nothing: no milestone
+    flags = [step.milestone for step in rollout.steps]
+    assert all(flag is None or isinstance(flag, bool) for flag in flags) and any(flags)
+    assert any(flag is not None for flag in flags)
+    assert estimate.diagnostics["milestone/step_frac"] == pytest.approx(sum(bool(f) for f in flags) / len(flags))
+    assert torch.isfinite(estimate.advantage).all()
+
+    uncounted = as_trl_environment("tiny", **TINY_KWARGS)
+    del uncounted.milestones_reached  # as a plan env's class is made: no count declared
+    with pytest.raises(ValueError, match="declare `milestones_reached = 0` on the env class"):
+        Recording(model=model, processing_class=tokenizer, args=args, train_dataset=data, environment_factory=uncounted)
