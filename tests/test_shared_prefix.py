@@ -4,6 +4,7 @@ forwarding fewer tokens. The reference is TRL's own `_get_per_token_logps_and_en
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from bipace_trainer.rollout.prompting import fit_prompt_ids
+from bipace_trainer import packed_attention
 from bipace_trainer.shared_prefix import group_rows, packed_logps, plan_layout
 
 PAD = 0
@@ -76,7 +78,9 @@ def plain(model, input_ids, attention_mask, keep, batch_size=None):
     )[:2]
 
 
-def shared(model, input_ids, attention_mask, keep, kind="bool"):
+def shared(model, input_ids, attention_mask, keep, kind="segments"):
+    """The packed forward: segment attention (SDPA models; call inside `routed()`, the backward too) or
+    eager's additive mask."""
     plan = plan_layout(input_ids, attention_mask, keep)
     logps, entropies = packed_logps(model, plan, kind, torch.float32, True, _TRL().accelerator.autocast)
     return logps, entropies, plan
@@ -87,7 +91,7 @@ def _loss(logps, entropies, attention_mask, keep):
     return (logps * weights).sum() + 0.3 * (entropies * attention_mask[:, -keep:]).sum()
 
 
-def assert_same(model, prompts, completions, masked=frozenset(), kind="bool", fewer=True):
+def assert_same(model, prompts, completions, masked=frozenset(), kind="segments", fewer=True):
     """Log-probs, entropies and the gradients of a loss over both equal the plain path's."""
     input_ids, attention_mask, keep = layout(prompts, completions, masked)
     model.zero_grad(set_to_none=True)
@@ -95,8 +99,9 @@ def assert_same(model, prompts, completions, masked=frozenset(), kind="bool", fe
     _loss(expected_lp, expected_ent, attention_mask, keep).backward()
     expected_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    got_lp, got_ent, plan = shared(model, input_ids, attention_mask, keep, kind)
-    _loss(got_lp, got_ent, attention_mask, keep).backward()
+    with packed_attention.routed():  # gradient checkpointing's replay runs in the backward
+        got_lp, got_ent, plan = shared(model, input_ids, attention_mask, keep, kind)
+        _loss(got_lp, got_ent, attention_mask, keep).backward()
     got_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     torch.testing.assert_close(got_lp, expected_lp, rtol=RTOL, atol=ATOL)
@@ -306,10 +311,12 @@ def _micro_batch(seed: int = 9):
 
 
 def _step(trainer, inputs):
+    """One micro-batch's loss and backward, as `training_step` runs them inside `train` (its scope)."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(model, inputs)
-    trainer.accelerator.backward(loss)
+    with trainer.shared_prefix.scope() if trainer.shared_prefix is not None else contextlib.nullcontext():
+        loss = trainer.compute_loss(model, inputs)
+        trainer.accelerator.backward(loss)
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -339,9 +346,11 @@ def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
     for shared in (True, False):
         lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
         trainer = _trainer(tmp_path, shared, beta=0.04, per_device_train_batch_size=2, peft_config=lora)
-        out, _ = reference_logps(trainer.batch_spec, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                                 inputs["completion_mask"], force_old=True)
+        with trainer.shared_prefix.scope() if shared else contextlib.nullcontext():
+            out, _ = reference_logps(trainer.batch_spec, inputs["prompt_ids"], inputs["prompt_mask"],
+                                     inputs["completion_ids"], inputs["completion_mask"], force_old=True)
         values.append(out)
+        assert not shared or trainer.shared_prefix.stats["packed_forwards"] >= 2  # the old and the reference pass
     assert values[0].keys() == values[1].keys() == {"old_per_token_logps", "ref_per_token_logps"}
     for key in values[1]:
         torch.testing.assert_close(values[0][key], values[1][key], rtol=RTOL, atol=ATOL)
@@ -357,7 +366,7 @@ def _causal_only(module, query, key, value, attention_mask, **kwargs):
 def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(tmp_path, caplog):
     from transformers import AttentionInterface
 
-    from bipace_trainer.shared_prefix import SharedPrefixForward
+    from bipace_trainer.shared_prefix import ModelShape, SharedPrefixForward
     from tests.trainer.tiny_setup import make_model, make_tokenizer
 
     AttentionInterface.register("causal_only", _causal_only)
@@ -370,7 +379,7 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
     assert trainer.shared_prefix is None and "takes no custom mask" in caplog.text  # off, said once
     off_loss, off_grad = _step(trainer, inputs)
 
-    trainer.shared_prefix = SharedPrefixForward(trainer, "bool")  # as if the model claimed SDPA
+    trainer.shared_prefix = SharedPrefixForward(trainer, "additive", ModelShape.of(model))  # as if it were eager
     caplog.clear()
     with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
         _step(trainer, inputs)
