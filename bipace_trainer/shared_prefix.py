@@ -386,15 +386,17 @@ class Cost:
 
 def plain_cost(lengths: list[int], width: int, chunk: int, attention: str, heads: int) -> Cost:
     """TRL's row-by-row forward of rows of these real lengths, `chunk` rows at a time, each padded to `width`.
-    Pairs: the rows' causal pairs (what a fused causal kernel computes; the plain path computes no fewer), the
-    full width² per row under eager. Masks: (chunk, 1, width, width), boolean (SDPA, where a row is padded)
-    or additive with eager's (chunk, heads, width, width) scores and their softmax."""
+    Pairs: width² per row where a mask is needed (a padded row, eager attention: a masked kernel computes the
+    whole square), else the causal width (width + 1) / 2 of SDPA's fused causal kernel. Quadratic bytes:
+    SDPA's (chunk, 1, width, width) boolean padding mask, or eager's additive mask with its (chunk, heads,
+    width, width) scores and their softmax."""
     rows, chunk = len(lengths), min(chunk, len(lengths))
     square = chunk * width * width
     if attention == "additive":
         return Cost(rows * width, rows * width * width, chunk * width, square * (4 + 8 * heads))
-    padded = any(length != width for length in lengths)
-    return Cost(rows * width, sum(n * (n + 1) // 2 for n in lengths), chunk * width, square if padded else 0)
+    if any(length != width for length in lengths):
+        return Cost(rows * width, rows * width * width, chunk * width, square)
+    return Cost(rows * width, rows * width * (width + 1) // 2, chunk * width, 0)
 
 
 def packed_cost(plan: Plan, attention: str, heads: int) -> Cost:
@@ -494,7 +496,7 @@ class SharedPrefixForward:
         self.checked = False
         self.enabled = True
         self.stats = {"calls": 0, "packed_forwards": 0, "plain_forwards": 0, "rows": 0, "tokens_plain": 0,
-                      "tokens_shared": 0}
+                      "tokens_shared": 0, "regrouped": 0}
         self._said: set[str] = set()
 
     @classmethod
@@ -602,7 +604,10 @@ class SharedPrefixForward:
         plain = _total([self._piece_cost(rows, piece) for piece in plain_pieces], False)
         grouped = group_rows(rows.sequences, size * max(map(len, rows.sequences)))
         packed = _total([packed_cost(self._plan(rows, run), self.attention, self.shape.heads) for run in grouped], False)
-        return grouped if worth_packing(packed, plain, self.shape) else None
+        if not worth_packing(packed, plain, self.shape):
+            return None
+        self.stats["regrouped"] += 1
+        return grouped
 
     def _piece_cost(self, rows: _Rows, piece: list[int]) -> Cost:
         """A plain piece's one forward, its columns trimmed to its own rows (`micro_batches.take_rows`)."""

@@ -389,3 +389,74 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
     assert loss == pytest.approx(off_loss, rel=1e-6)
     for name in off_grad:
         torch.testing.assert_close(grad[name], off_grad[name], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- the cost model
+
+
+def test_a_models_shape_counts_what_a_token_passes_through():
+    from bipace_trainer.shared_prefix import ModelShape
+
+    model = tiny_model()  # hidden 32, 2 layers, 4 heads of 8, intermediate 64, float32
+    shape = ModelShape.of(model)
+    layers = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
+    assert shape.token_flops == 2 * layers  # the (tied) embedding and LM head are not per-token matmuls here
+    assert shape.pair_flops == 4 * 4 * 8 * 2
+    assert shape.token_bytes == 4 * 2 * (4 * 32 + 3 * 64) and shape.heads == 4
+
+
+def test_the_plain_paths_cost_on_a_hand_made_case():
+    from bipace_trainer.shared_prefix import Cost, plain_cost
+
+    # two rows of 3 and 5 real tokens, padded to 5, forwarded together: a padding mask, the whole squares
+    assert plain_cost([3, 5], 5, 2, "segments", heads=4) == Cost(10, 2 * 25, 10, 2 * 25)
+    assert plain_cost([5, 5], 5, 2, "segments", heads=4) == Cost(10, 2 * 15, 10, 0)  # no padding: fused causal
+    # eager: every row's full square of scores (and their softmax), per head, and the additive mask
+    assert plain_cost([3, 5], 5, 1, "additive", heads=4) == Cost(10, 50, 5, 25 * (4 + 8 * 4))
+
+
+def test_packing_is_chosen_where_it_saves_and_refused_where_it_would_lose():
+    from bipace_trainer.shared_prefix import ModelShape, packed_cost, plain_cost, plan_rows, worth_packing
+
+    shape = ModelShape(token_flops=1000.0, pair_flops=10.0, token_bytes=10_000.0, heads=2)
+
+    def decide(sequences, prompt_lengths, attention):
+        plan = plan_rows(sequences, prompt_lengths, 4, "cpu")
+        width = max(prompt_lengths) + max(len(s) - p for s, p in zip(sequences, prompt_lengths))
+        plain = plain_cost([len(s) for s in sequences], width, len(sequences), attention, shape.heads)
+        return worth_packing(packed_cost(plan, attention, shape.heads), plain, shape)
+
+    rng = random.Random(12)
+    task = _tokens(rng, 300)
+    group = [task + _tokens(rng, 20) + _tokens(rng, 4) for _ in range(4)]  # a long shared task prompt
+    assert decide(group, [320] * 4, "segments") and decide(group, [320] * 4, "additive")
+    strangers = [_tokens(rng, 40) for _ in range(4)]  # nothing shared: packing saves nothing
+    assert not decide(strangers, [36] * 4, "segments")
+    # a short shared text before long rows of their own, all of one length: 7 % fewer tokens, but the suffix
+    # batch computes each suffix's whole rectangle where the unpadded plain rows take SDPA's causal kernel
+    apart = [task[:30] + _tokens(rng, 400) for _ in range(4)]
+    assert not decide(apart, [426] * 4, "segments") and not decide(apart, [426] * 4, "additive")
+    # a shared task and replies of their own: segment attention forwards the rows' own pairs, while eager's
+    # packed row of 300 + 4 × 200 tokens would compute (and hold) its whole square
+    replies = [task + _tokens(rng, 200) for _ in range(4)]
+    assert decide(replies, [304] * 4, "segments") and not decide(replies, [304] * 4, "additive")
+
+
+def test_the_first_use_check_forwards_no_more_rows_than_a_plain_forward(tmp_path, monkeypatch):
+    """The check runs TRL's plain forward without gradients on the rows of the first packed forward: at most
+    `per_device_train_batch_size` of them, within the plain path's own memory."""
+    seen = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, input_ids, *args, **kwargs):
+        seen.append((self.accelerator.unwrap_model(model).training, input_ids.size(0)))
+        return original(self, model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
+    inputs = _micro_batch()
+    assert inputs["prompt_ids"].size(0) > 6
+    _step(trainer, inputs)
+    assert trainer.shared_prefix.checked and trainer.shared_prefix.enabled
+    checks = [rows for training, rows in seen if not training]
+    assert checks and max(checks) <= 2
