@@ -19,14 +19,15 @@ it. Batches, laid out by `batching.padded_tensors` exactly as training lays them
   context of K - 200 tokens (instructions, tool schemas, a document), then 200 tokens of its own (history
   and observation) and a 40-token reply; random token ids (the cost does not depend on the text);
 - `distinct4k`: 4 rows of 4K-token prompts that share only a 100-token system text (little to share);
-- `tool{T}` (10, 30, 50): a TRL tool env's group: 2 episodes of T turns of a calculator tool, where turn
-  k+1's prompt is turn k's prompt, reply and tool answer (the exact tokens, as TRL's environment_factory
-  builds them).
+- `tool{T}` (10, 30, 50): a TRL tool env's group: 2 episodes of T turns of a calculator tool (one episode of
+  50), where turn k+1's prompt is turn k's prompt, reply and tool answer (the exact tokens, as TRL's
+  environment_factory builds them).
 
 Each round runs plain then shared on every batch (one untimed shared call first: the first-use check),
-interleaved, so that a machine shared with other jobs loads both alike. Prints a table with the ratios and
-what the cost model chose; `--out` writes JSON with the CPU model, threads and the load average before and
-after each update.
+interleaved, so that a machine shared with other jobs loads both alike. The table's time is the update's CPU
+seconds (one thread: the work done, which other jobs on the cores stretch in wall time but not in CPU time;
+the JSON has both). Prints the ratios and what the cost model chose; `--out` writes JSON with the CPU model,
+threads and the load average before and after each update.
 """
 
 from __future__ import annotations
@@ -155,13 +156,13 @@ def update(trainer, inputs, shared) -> dict:
     base = process.memory_info().rss
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = trainer.compute_loss(trainer.model, inputs)
     trainer.accelerator.backward(loss)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     done.set()
     sampler.join()
-    result = {"seconds": seconds, "peak_mb": (peak[0] - base) / 2**20, "loss": float(loss.detach()),
+    result = {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mb": (peak[0] - base) / 2**20, "loss": float(loss.detach()),
               "load": [load_before, os.getloadavg()[0]]}
     if shared:  # what the cost model chose: forwards packed or left to TRL, micro-batches cut in token order
         result.update({key: shared.stats[key] - before.get(key, 0) for key in shared.stats})
@@ -192,8 +193,9 @@ def batches(trainer, names) -> dict:
             steps = context_rows(trainer, tokens, tokens - 200)
         elif name.startswith("distinct"):
             steps = context_rows(trainer, int(name.removeprefix("distinct").removesuffix("k")) * 1024, 100)
-        else:
-            steps = tool_rows(trainer, int(name.removeprefix("tool")))
+        else:  # the 50-turn episode alone: two would take the plain path hours on a shared 2-core machine
+            turns = int(name.removeprefix("tool"))
+            steps = tool_rows(trainer, turns, episodes=2 if turns <= 30 else 1)
         made[name] = micro_batch(trainer, steps)
     return made
 
@@ -223,9 +225,15 @@ def run(trainer, cli) -> dict:
         for name, inputs in made.items():
             results[name]["plain"].append(update(trainer, inputs, None))
             results[name]["shared"].append(update(trainer, inputs, shared))
-    report = {"machine": machine(), "rounds": cli.rounds, "date": time.strftime("%Y-%m-%d"), "results": results,
-              "command": "python -m bench.shared_prefix " + " ".join(sys.argv[1:])}
+            report = write(cli, results)  # after every pair: a long run keeps what it measured
     print(table(report))
+    return report
+
+
+def write(cli, results: dict) -> dict:
+    done = {name: r for name, r in results.items() if r["shared"]}
+    report = {"machine": machine(), "rounds": cli.rounds, "date": time.strftime("%Y-%m-%d"), "results": done,
+              "command": "python -m bench.shared_prefix " + " ".join(sys.argv[1:])}
     if cli.out:
         Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cli.out).write_text(json.dumps(report, indent=1))
@@ -234,13 +242,13 @@ def run(trainer, cli) -> dict:
 
 def table(report: dict) -> str:
     lines = [f"{report['machine']['cpu']}, {report['machine']['threads']} thread(s), load {report['machine']['load_average']}",
-             f"{'batch':<10} {'rows':>4} | {'tokens plain':>12} {'shared':>7} {'ratio':>5} | {'update s plain':>14} "
+             f"{'batch':<10} {'rows':>4} | {'tokens plain':>12} {'shared':>7} {'ratio':>5} | {'CPU s plain':>14} "
              f"{'shared':>7} {'ratio':>5} | {'peak MB plain':>13} {'shared':>7} {'ratio':>5} | packed/plain forwards, "
              "regrouped | loss plain / shared"]
     for name, r in report["results"].items():
         p, s = r["plain"], r["shared"]
         tp, ts = p[0]["tokens"], s[0]["tokens"]
-        sp, ss = statistics.median(x["seconds"] for x in p), statistics.median(x["seconds"] for x in s)
+        sp, ss = statistics.median(x["cpu_seconds"] for x in p), statistics.median(x["cpu_seconds"] for x in s)
         mp, ms = max(x["peak_mb"] for x in p), max(x["peak_mb"] for x in s)
         chose = f"{s[0]['packed_forwards']}/{s[0]['plain_forwards']}, {s[0]['regrouped']}"
         lines.append(f"{name:<10} {r['rows']:>4} | {tp:>12} {ts:>7} {ts / tp:>5.2f} | {sp:>14.1f} {ss:>7.1f} "
