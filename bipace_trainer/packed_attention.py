@@ -102,15 +102,18 @@ def _suffix_pairs(cluster: Cluster) -> int:
 
 
 def _sdpa(query, key, value, groups: int, dropout: float, scaling, mask=None) -> torch.Tensor:
-    """SDPA over (b, H, q, d) queries and (b, H/groups, k, d) keys and values: causal without a mask
-    (grouped-query heads handled by the kernel), else with `mask` (keys repeated, as transformers does
-    for masked calls: the fused kernels that take a mask do not all take grouped heads)."""
+    """SDPA over (b, H, q, d) queries and (b, H/groups, k, d) keys and values: causal without a mask, else
+    with `mask`. Grouped-query heads go to the kernel, except for a masked call off a CPU (keys repeated, as
+    transformers does: CUDA's kernels that take a mask fall back to the unfused one for grouped heads; the
+    CPU's fused kernel takes both, in a quarter of the repeated keys' memory at SmolLM2's 3 groups)."""
     if mask is None:
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
                                               enable_gqa=groups > 1)
-    if groups > 1:
+    in_kernel = groups > 1 and query.device.type == "cpu"
+    if groups > 1 and not in_kernel:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=in_kernel)
 
 
 def _cluster(query, key, value, layout: SegmentLayout, cluster: Cluster, groups, dropout, scaling) -> list[torch.Tensor]:

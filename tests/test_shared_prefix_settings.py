@@ -138,7 +138,7 @@ def two_updates(trainer, inputs, setting: str) -> list[tuple[float, dict, dict]]
     return results
 
 
-@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("batch", [pytest.param("tiny_env"), pytest.param("tool_episodes", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_every_loss_setting_equals_the_plain_path(tmp_path, setting, batch, caplog):
     overrides, keeps_plain_pieces = SETTINGS[setting]
