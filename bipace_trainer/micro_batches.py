@@ -9,8 +9,11 @@ is bounded by `per_device_train_batch_size` rows whatever the horizon.
 
 The pieces give the same gradient as the whole micro-batch: each piece's loss is
 weighted by its share of what TRL's `loss_type` averages over (`piece_weights`). Rows
-are ordered by length before they are cut, and each piece keeps only the columns its
-own rows use, so short steps are not padded to the longest step of the generation.
+are ordered by length before they are cut (`length_order`), and each piece keeps only the
+columns its own rows use, so short steps are not padded to the longest step of the
+generation. What TRL's loss logs per piece is combined into one value per micro-batch
+(`combine_metrics`), so the logs do not depend on how the rows were cut (the shared-prefix
+update cuts other pieces: `shared_prefix.py`).
 """
 
 from __future__ import annotations
