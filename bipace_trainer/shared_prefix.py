@@ -90,6 +90,9 @@ logger = logging.getLogger(__name__)
 _BLOCK = 1 << 20
 # How each attention implementation sees a packed row's clusters; anything else runs the plain path.
 _ATTENTION = {"sdpa": "segments", "eager": "additive"}
+# The inputs of TRL's loss that go to a vision model's forward (`GRPOTrainer._compute_loss`): none is packed.
+_VISION_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 @dataclass
@@ -586,7 +589,10 @@ class SharedPrefixForward:
         one piece, within the tokens of the plain path's largest piece), where packing them forwards fewer
         FLOPs than the plain path's pieces (`plain_pieces`, `micro_batches.length_order`) within its peak;
         None for the plain pieces, each then packed where it pays (`_plain_pieces_reason` says when always)."""
-        if not (self.enabled and self.checked) or self.trainer.accelerator.num_processes > 1:
+        extra = {key: inputs.get(key) for key in _VISION_INPUTS}
+        if not (self.checked and self.applies(self.trainer.aux_loss_enabled, extra)):
+            return None  # a piece cut for packing must be packed: its rows exceed a plain piece's
+        if self.trainer.accelerator.num_processes > 1:
             # Several processes keep the plain pieces: TRL's loss gathers once per piece, and regrouped pieces
             # could number differently on each rank (a gloo size mismatch, seen on 2 processes).
             return None

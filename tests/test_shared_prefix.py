@@ -460,3 +460,19 @@ def test_the_first_use_check_forwards_no_more_rows_than_a_plain_forward(tmp_path
     assert trainer.shared_prefix.checked and trainer.shared_prefix.enabled
     checks = [rows for training, rows in seen if not training]
     assert checks and max(checks) <= 2
+
+
+def test_pieces_are_cut_for_packing_only_where_the_packed_forward_will_run(tmp_path):
+    """A piece cut in token order holds more rows than a plain piece, so it must be packed: outside the
+    forward's scope (SDPA attention not routed) the update keeps the plain pieces."""
+    from bipace_trainer.micro_batches import length_order
+
+    trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
+    inputs = _micro_batch()
+    forward, plain = trainer.shared_prefix, length_order(inputs, 2)
+    assert forward.pieces(inputs, plain) is None  # not checked yet: the first update keeps the plain pieces
+    _step(trainer, inputs)
+    assert forward.checked and forward.pieces(inputs, plain) is None  # outside `scope()`
+    with forward.scope():
+        runs = forward.pieces(inputs, plain)
+    assert runs is not None and len(runs) < len(plain) and sorted(r for run in runs for r in run) == list(range(14))
