@@ -18,6 +18,7 @@ it. Batches, laid out by `batching.padded_tensors` exactly as training lays them
 - `context{K}` (1k, 2k, 4k, 8k): an agent whose prompt holds K tokens: 4 rows of one task, each a shared
   context of K - 200 tokens (instructions, tool schemas, a document), then 200 tokens of its own (history
   and observation) and a 40-token reply; random token ids (the cost does not depend on the text);
+- `quarter1k`: 4 rows of 1K-token prompts sharing their first quarter (near the cost model's margin);
 - `distinct4k`: 4 rows of 4K-token prompts that share only a 100-token system text (little to share);
 - `tool{T}` (10, 30, 50): a TRL tool env's group: 2 episodes of T turns of a calculator tool (one episode of
   50), where turn k+1's prompt is turn k's prompt, reply and tool answer (the exact tokens, as TRL's
@@ -48,8 +49,8 @@ from types import SimpleNamespace
 import psutil
 import torch
 
-WORKLOADS = ("textcraft", "alfworld", "context1k", "context2k", "context4k", "context8k", "distinct4k", "tool10",
-             "tool30", "tool50")
+WORKLOADS = ("textcraft", "alfworld", "context1k", "context2k", "context4k", "context8k", "quarter1k", "distinct4k",
+             "tool10", "tool30", "tool50")
 
 
 def make_trainer(output_dir: str):
@@ -193,6 +194,9 @@ def batches(trainer, names) -> dict:
             steps = context_rows(trainer, tokens, tokens - 200)
         elif name.startswith("distinct"):
             steps = context_rows(trainer, int(name.removeprefix("distinct").removesuffix("k")) * 1024, 100)
+        elif name.startswith("quarter"):
+            tokens = int(name.removeprefix("quarter").removesuffix("k")) * 1024
+            steps = context_rows(trainer, tokens, tokens // 4)
         else:  # the 50-turn episode alone: two would take the plain path hours on a shared 2-core machine
             turns = int(name.removeprefix("tool"))
             steps = tool_rows(trainer, turns, episodes=2 if turns <= 30 else 1)
@@ -251,6 +255,8 @@ def table(report: dict) -> str:
         sp, ss = statistics.median(x["cpu_seconds"] for x in p), statistics.median(x["cpu_seconds"] for x in s)
         mp, ms = max(x["peak_mb"] for x in p), max(x["peak_mb"] for x in s)
         chose = f"{s[0]['packed_forwards']}/{s[0]['plain_forwards']}, {s[0]['regrouped']}"
+        if s[0].get("flops_plain"):  # the cost model's FLOPs ratio, to set beside the measured one
+            chose += f", model {s[0]['flops_shared'] / s[0]['flops_plain']:.2f}"
         lines.append(f"{name:<10} {r['rows']:>4} | {tp:>12} {ts:>7} {ts / tp:>5.2f} | {sp:>14.1f} {ss:>7.1f} "
                      f"{ss / sp:>5.2f} | {mp:>13.0f} {ms:>7.0f} {ms / max(mp, 1):>5.2f} | {chose:>21} | "
                      f"{p[0]['loss']:.6f} / {s[0]['loss']:.6f}")

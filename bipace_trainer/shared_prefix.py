@@ -499,7 +499,7 @@ class SharedPrefixForward:
         self.checked = False
         self.enabled = True
         self.stats = {"calls": 0, "packed_forwards": 0, "plain_forwards": 0, "rows": 0, "tokens_plain": 0,
-                      "tokens_shared": 0, "regrouped": 0}
+                      "tokens_shared": 0, "regrouped": 0, "flops_plain": 0.0, "flops_shared": 0.0}
         self._said: set[str] = set()
 
     @classmethod
@@ -538,9 +538,10 @@ class SharedPrefixForward:
         if parsed is None:
             return plain()
         rows = _Rows(*parsed, input_ids.size(1), logits_to_keep, input_ids.device)
-        runs = self._runs(rows, batch_size or self.trainer.args.per_device_train_batch_size)
+        chunk = batch_size or self.trainer.args.per_device_train_batch_size
+        runs = self._runs(rows, chunk)
         if not any(run.plan is not None for run in runs):
-            self._count(rows, runs)
+            self._count(rows, runs, chunk)
             return plain()
         parts = []
         for run in runs:
@@ -553,7 +554,7 @@ class SharedPrefixForward:
                 continue
             parts.append((index, *packed_logps(model, run.plan, self.attention, self._dtype(model), compute_entropy,
                                                self.trainer.accelerator.autocast)))
-        self._count(rows, runs)
+        self._count(rows, runs, chunk)
         return _unsort(parts, input_ids.size(0), compute_entropy) + (None,)
 
     def _runs(self, rows: _Rows, chunk: int) -> list[_Run]:
@@ -636,15 +637,19 @@ class SharedPrefixForward:
             self._said.add(message)
             logger.warning(message)
 
-    def _count(self, rows: _Rows, runs: list[_Run]) -> None:
+    def _count(self, rows: _Rows, runs: list[_Run], chunk: int) -> None:
+        """What a call forwarded, and the cost model's FLOPs for it against TRL's forward (for the bench)."""
         packed = [run for run in runs if run.plan is not None]
+        chosen = [packed_cost(run.plan, self.attention, self.shape.heads) if run.plan is not None
+                  else self._plain_cost(rows, run.rows, chunk) for run in runs]
         self.stats["calls"] += 1
         self.stats["packed_forwards"] += len(packed)
         self.stats["plain_forwards"] += len(runs) - len(packed)
         self.stats["rows"] += len(rows.sequences)
         self.stats["tokens_plain"] += len(rows.sequences) * rows.width
-        self.stats["tokens_shared"] += sum(run.plan.input_ids.numel() if run.plan is not None
-                                           else len(run.rows) * rows.width for run in runs)
+        self.stats["tokens_shared"] += sum(cost.tokens for cost in chosen)
+        self.stats["flops_plain"] += self._plain_cost(rows, list(range(len(rows.sequences))), chunk).flops(self.shape)
+        self.stats["flops_shared"] += sum(cost.flops(self.shape) for cost in chosen)
 
     def _dtype(self, model) -> torch.dtype:
         return next(self.trainer.accelerator.unwrap_model(model).parameters()).dtype
