@@ -518,11 +518,20 @@ class SharedPrefixForward:
         """What the packed forwards need around the run (`BiPACETrainer.train`): SDPA models' routed attention."""
         return packed_attention.routed() if self.attention == "segments" else contextlib.nullcontext()
 
-    def applies(self, compute_aux_loss: bool, extra: dict[str, Any]) -> bool:
+    def applies(self, compute_aux_loss: bool, extra: dict[str, Any], compute_entropy: bool = False) -> bool:
         """Whether this call can take the packed layout (no vision inputs, no MoE auxiliary loss, not the
-        old-logprob pass that captures hidden states by position under vLLM, and, for SDPA models, inside
-        `scope()`)."""
+        old-logprob pass that captures hidden states by position under vLLM, not the update's forward under
+        a `top_entropy_quantile` below 1, and, for SDPA models, inside `scope()`)."""
         if not self.enabled or compute_aux_loss or any(v is not None for v in extra.values()):
+            return False
+        quantile = self.trainer.args.top_entropy_quantile
+        if compute_entropy and quantile < 1.0:
+            # The entropy mask keeps the tokens at or above a quantile of the piece's entropies: a threshold that
+            # is one of those values, so equal tokens (rows with the same prefix and reply) tie with it exactly,
+            # and the packed forward's entropies, equal to TRL's to float rounding only, can break such a tie
+            # the other way (seen on TRL tool episodes: another loss).
+            self._say(f"shared_prefix is off for the update's forward: top_entropy_quantile={quantile} selects "
+                      "tokens by comparing entropies, which the packed forward gives to float rounding only")
             return False
         if self.attention == "segments" and not packed_attention.routing():
             return False
@@ -589,9 +598,10 @@ class SharedPrefixForward:
         """Row indices of the update's pieces cut in token order (`group_rows`: rows that share a prefix in
         one piece, within the tokens of the plain path's largest piece), where packing them forwards fewer
         FLOPs than the plain path's pieces (`plain_pieces`, `micro_batches.length_order`) within its peak;
-        None for the plain pieces, each then packed where it pays (`_plain_pieces_reason` says when always)."""
+        None for the plain pieces, each then packed where it pays (`_plain_pieces_reason` says when always), or
+        none packed (`applies`)."""
         extra = {key: inputs.get(key) for key in _VISION_INPUTS}
-        if not (self.checked and self.applies(self.trainer.aux_loss_enabled, extra)):
+        if not (self.checked and self.applies(self.trainer.aux_loss_enabled, extra, compute_entropy=True)):
             return None  # a piece cut for packing must be packed: its rows exceed a plain piece's
         if self.trainer.accelerator.num_processes > 1:
             # Several processes keep the plain pieces: TRL's loss gathers once per piece, and regrouped pieces
@@ -626,8 +636,6 @@ class SharedPrefixForward:
         """Why the update keeps the plain path's pieces whatever they cost: a setting that TRL's loss
         aggregates over a piece's tokens, so that only the same pieces give the same loss."""
         args = self.trainer.args
-        if args.top_entropy_quantile < 1.0:
-            return f"top_entropy_quantile={args.top_entropy_quantile} takes its entropy threshold over a piece's tokens"
         if args.entropy_coef or args.use_adaptive_entropy:
             return "the entropy bonus (entropy_coef, use_adaptive_entropy) is a mean over a piece's tokens"
         return None

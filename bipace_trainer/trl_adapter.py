@@ -230,7 +230,7 @@ class GRPOAdapter(GRPOTrainer):
             return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
 
         shared = self.shared_prefix
-        if shared is None or not shared.applies(compute_aux_loss, extra):
+        if shared is None or not shared.applies(compute_aux_loss, extra, compute_entropy):
             return plain()
         return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                           compute_entropy, plain)

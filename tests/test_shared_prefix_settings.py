@@ -18,85 +18,93 @@ import torch
 
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.rollout.batching import padded_tensors, reference_logps
+from bipace_trainer.rollout.vllm_backend import importance_sampling_ratio
 from bipace_trainer.run.demonstrations import collect_demonstrations
 from tests.trainer.tiny_setup import HISTORY_LENGTH, TINY_ENV_KWARGS, make_model, make_tokenizer, tiny_args
 
 RTOL, ATOL = 1e-5, 1e-6
 
-# name: (BiPACEConfig overrides, whether the update keeps the plain path's pieces for it)
+# name: (BiPACEConfig overrides, what the update does under it: "regroups" its pieces for packing, packs
+# "within plain pieces", or packs "nothing" (`SharedPrefixForward.applies`))
 SETTINGS = {
-    "dapo": ({}, False),
-    "grpo": ({"loss_type": "grpo"}, False),
-    "bnpo": ({"loss_type": "bnpo"}, False),
-    "dr_grpo": ({"loss_type": "dr_grpo"}, False),
-    "cispo": ({"loss_type": "cispo"}, False),
-    "sapo": ({"loss_type": "sapo"}, False),
-    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, False),
-    "vespo": ({"loss_type": "vespo"}, False),
-    "sequence_ratio": ({"importance_sampling_level": "sequence"}, False),
-    "kl": ({"beta": 0.04}, False),
-    "kl_bias_corrected": ({"beta": 0.04, "use_bias_correction_kl": True}, False),
-    "off_policy_mask": ({"off_policy_mask_threshold": 0.02}, False),
-    "two_sided_clip": ({"delta": 1.1}, False),
-    "vllm_importance_sampling": ({}, False),  # TRL's correction by the rows' `importance_sampling_ratio`
-    "top_entropy_quantile": ({"top_entropy_quantile": 0.2}, True),
-    "entropy_bonus": ({"entropy_coef": 0.05}, True),
-    "adaptive_entropy": ({"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 5.0}, True),
+    "dapo": ({}, "regroups"),
+    "grpo": ({"loss_type": "grpo"}, "regroups"),
+    "bnpo": ({"loss_type": "bnpo"}, "regroups"),
+    "dr_grpo": ({"loss_type": "dr_grpo"}, "regroups"),
+    "cispo": ({"loss_type": "cispo"}, "regroups"),
+    "sapo": ({"loss_type": "sapo"}, "regroups"),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, "regroups"),
+    "vespo": ({"loss_type": "vespo"}, "regroups"),
+    "sequence_ratio": ({"importance_sampling_level": "sequence"}, "regroups"),
+    "kl": ({"beta": 0.04}, "regroups"),
+    "kl_bias_corrected": ({"beta": 0.04, "use_bias_correction_kl": True}, "regroups"),
+    "off_policy_mask": ({"off_policy_mask_threshold": 0.02}, "regroups"),
+    "two_sided_clip": ({"delta": 1.1}, "regroups"),
+    "vllm_importance_sampling": ({}, "regroups"),  # TRL's correction by the rows' `importance_sampling_ratio`
+    "top_entropy_quantile": ({"top_entropy_quantile": 0.2}, "nothing"),
+    "entropy_bonus": ({"entropy_coef": 0.05}, "within plain pieces"),
+    "adaptive_entropy": ({"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 5.0},
+                         "within plain pieces"),
 }
 # Fields of TRL's loss that this matrix leaves at their defaults: per-token or per-row, and covered above
 # through the loss they feed (epsilon, epsilon_high, sapo temperatures, vespo's k and lambda).
 
-_TOKENIZER: dict = {}
+_TOKENIZERS: dict = {}
 
 
-def tokenizer():
-    return _TOKENIZER.get("tiny") or _TOKENIZER.setdefault("tiny", make_tokenizer())
+def tokenizer(batch: str):
+    """The tiny env's tokenizer, or the TRL tool env's (Qwen2.5's chat template, which renders tools)."""
+    if batch not in _TOKENIZERS:
+        from tests.trainer import tool_setup
 
-
-def chat_ids(messages) -> list[int]:
-    text = tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer().encode(text, add_special_tokens=False)
+        _TOKENIZERS[batch] = make_tokenizer() if batch == "tiny_env" else tool_setup.make_tokenizer()
+    return _TOKENIZERS[batch]
 
 
 def env_steps() -> list[SimpleNamespace]:
     """Our env's rows: two task groups of the tiny env, 3 episodes each, history in the prompt."""
     rows = collect_demonstrations("tiny", [0, 1], env_kwargs=TINY_ENV_KWARGS, expert_prob=0.5, episodes_per_task=3,
                                   max_turns=4, history_length=HISTORY_LENGTH, seed=0)
-    eos = tokenizer().eos_token_id
-    return [SimpleNamespace(prompt_ids=chat_ids(r["prompt"]),
-                            completion_ids=tokenizer().encode(r["completion"][0]["content"])[:12] + [eos]) for r in rows]
+    tok = tokenizer("tiny_env")
+    prompt = lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # noqa: E731
+    return [SimpleNamespace(prompt_ids=tok.encode(prompt(r["prompt"]), add_special_tokens=False),
+                            completion_ids=tok.encode(r["completion"][0]["content"])[:12] + [tok.eos_token_id])
+            for r in rows]
 
 
-def tool_steps(turns: int = 4, episodes: int = 3) -> list[SimpleNamespace]:
-    """TRL tool episodes: each turn's prompt is the one before, its reply (a tool call) and the tool's answer."""
-    rng, eos, encode = random.Random(0), tokenizer().eos_token_id, tokenizer().encode
-    start = chat_ids([{"role": "system", "content": "You can call add(a, b)."},
-                      {"role": "user", "content": "Add 3, 14 and 15 one call at a time."}])
+def tool_steps() -> list[SimpleNamespace]:
+    """TRL tool episodes (`tests/trainer/tool_setup.py`'s Lamps env, rendered with its tools by TRL's Qwen2.5
+    template): one row per assistant turn, its prompt the chat so far (earlier calls and the tools' answers),
+    its completion that turn's tokens, so that each turn's prompt holds the turn before."""
+    from tests.trainer import tool_setup
+
+    tok, tools = tokenizer("tool_env"), [getattr(tool_setup.Lamps(), name) for name in tool_setup.TOOLS]
+    render = lambda chat, more: tok.encode(  # noqa: E731
+        tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=more), add_special_tokens=False)
     steps = []
-    for _ in range(episodes):
-        prompt, total = start, 0
-        for _ in range(turns):
-            a, b = total, rng.randrange(1, 20)
-            reply = encode(f"<tool_call>add({a}, {b})</tool_call>") + [eos]
-            steps.append(SimpleNamespace(prompt_ids=prompt, completion_ids=reply))
-            total = a + b
-            prompt = prompt + reply + encode(f"\n<|im_start|>user\n{total}<|im_end|>\n<|im_start|>assistant\n")
+    for chat in tool_setup.demonstration_chats(6, seed=3):
+        for turn in (i for i, message in enumerate(chat) if message["role"] == "assistant"):
+            prompt, whole = render(chat[:turn], True), render(chat[: turn + 1], False)
+            assert whole[: len(prompt)] == prompt
+            steps.append(SimpleNamespace(prompt_ids=prompt, completion_ids=whole[len(prompt):]))
     return steps
 
 
-BATCHES = {"tiny_env": env_steps, "tool_episodes": tool_steps}
+BATCHES = {"tiny_env": env_steps, "tool_env": tool_steps}
 _STEPS: dict = {}
 
 
-def make_trainer(tmp_path, shared: bool, overrides: dict) -> BiPACETrainer:
+def make_trainer(tmp_path, shared: bool, overrides: dict, batch: str) -> BiPACETrainer:
     from peft import LoraConfig
 
     args = tiny_args(tmp_path / ("on" if shared else "off"), shared_prefix=shared, per_device_train_batch_size=2,
                      gradient_accumulation_steps=1, **{"beta": 0.0, **overrides})
     # with a KL term, LoRA: the reference is the model with its adapter off (no second model to load)
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
-    trainer = BiPACETrainer(model=make_model(tokenizer(), seed=0), args=args, processing_class=tokenizer(),
-                            peft_config=lora if args.beta else None)
+    from tests.trainer import tool_setup
+
+    model = make_model(tokenizer(batch), seed=0) if batch == "tiny_env" else tool_setup.make_model(tokenizer(batch))
+    trainer = BiPACETrainer(model=model, args=args, processing_class=tokenizer(batch), peft_config=lora if args.beta else None)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
     return trainer
@@ -117,8 +125,10 @@ def micro_batch(trainer, steps, setting: str) -> dict:
         "num_items_in_batch": completion_mask.sum() * 2,  # the generation spans two micro-batches
         **logps, "old_per_token_logps": logps["old_per_token_logps"] + shift,
     }
-    if setting in ("vllm_importance_sampling", "vespo"):
-        inputs["importance_sampling_ratio"] = 1.0 + shift.flip(0)
+    if setting in ("vllm_importance_sampling", "vespo"):  # built as TRL builds it: 1 off the completion tokens
+        sampling = inputs["old_per_token_logps"] + shift.flip(0) * completion_mask
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio(
+            inputs["old_per_token_logps"], sampling, completion_mask, mode="token_truncate")
     return inputs
 
 
@@ -138,22 +148,23 @@ def two_updates(trainer, inputs, setting: str) -> list[tuple[float, dict, dict]]
     return results
 
 
-@pytest.mark.parametrize("batch", [pytest.param("tiny_env"), pytest.param("tool_episodes", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [pytest.param("tiny_env"), pytest.param("tool_env", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_every_loss_setting_equals_the_plain_path(tmp_path, setting, batch, caplog):
-    overrides, keeps_plain_pieces = SETTINGS[setting]
+    overrides, update = SETTINGS[setting]
     steps = _STEPS.get(batch) or _STEPS.setdefault(batch, BATCHES[batch]())
-    off_trainer = make_trainer(tmp_path, False, overrides)
+    off_trainer = make_trainer(tmp_path, False, overrides, batch)
     off = two_updates(off_trainer, micro_batch(off_trainer, steps, setting), setting)
-    on_trainer = make_trainer(tmp_path, True, overrides)
+    on_trainer = make_trainer(tmp_path, True, overrides, batch)
     with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
         on = two_updates(on_trainer, micro_batch(on_trainer, steps, setting), setting)
 
     forward = on_trainer.shared_prefix
-    assert forward.enabled and forward.checked and forward.stats["packed_forwards"] > 0
-    # the second update cut its own pieces, unless the setting keeps the plain ones (said once)
-    assert forward.stats["regrouped"] == (0 if keeps_plain_pieces else 1)
-    assert ("packs within the plain path's pieces" in caplog.text) == keeps_plain_pieces
+    # the second update cut its own pieces, unless the setting keeps the plain ones or packs nothing (said once)
+    assert forward.enabled and forward.stats["regrouped"] == (update == "regroups")
+    assert forward.checked == (forward.stats["packed_forwards"] > 0) == (update != "nothing")
+    assert ("packs within the plain path's pieces" in caplog.text) == (update == "within plain pieces")
+    assert ("is off for the update's forward" in caplog.text) == (update == "nothing")
     for (on_loss, on_grads, on_metrics), (off_loss, off_grads, off_metrics) in zip(on, off):
         assert on_loss == pytest.approx(off_loss, rel=RTOL, abs=ATOL)
         assert on_grads.keys() == off_grads.keys() and on_grads
