@@ -50,10 +50,11 @@ order of their token sequences (so an episode's turns and a group's rows share a
 whose packed tokens stay within what the plain path's largest piece forwards
 (`per_device_train_batch_size` × the longest row), where the cost model says so. The plain path's
 pieces, each packed where it pays, are kept on several processes (TRL's loss gathers once per piece, so
-every rank must make as many) and where TRL's loss aggregates over a piece's tokens: a
-`top_entropy_quantile` below 1 (its threshold) and the entropy bonus (`entropy_coef`,
-`use_adaptive_entropy`); that is logged once. What the loss logs per piece is combined over the
-micro-batch (`micro_batches.combine_metrics`), so logged metrics do not depend on the pieces.
+every rank must make as many) and under the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: a mean
+over a piece's tokens); that is logged once. Under a `top_entropy_quantile` below 1 the update's forward is
+not packed at all (`applies`: its threshold is one of the entropies, so ties break on float rounding).
+What the loss logs per piece is combined over the micro-batch (`micro_batches.combine_metrics`), so logged
+metrics do not depend on the pieces.
 
 **Exactness.** The same tokens at the same relative positions: log-probs, entropies, the loss, the
 gradients and every logged metric equal the plain path's to float rounding under every loss setting
