@@ -288,9 +288,10 @@ class BiPACEConfig(GRPOConfig):
     shared_prefix (`bool`, True): the update's forward passes (and the old and reference log-prob
         passes) compute a token prefix that rows share once (`shared_prefix.py`): a task group's
         common prompt, and an episode whose turns each extend the one before as one sequence. The
-        same log-probs, entropies and gradients as TRL's row-by-row forward, checked against it on
-        the first call; off (logged once) under flash attention, ZeRO-3 and FSDP.
-        See docs/performance.md.
+        same log-probs, entropies, loss, gradients and logged metrics as TRL's row-by-row forward under
+        every loss setting, checked against it on the first packed forward; rows are packed only where
+        a cost model says that forwards fewer FLOPs within the plain path's peak memory. Off (logged
+        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP. See docs/performance.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,

@@ -20,6 +20,7 @@ patches) are where it shows: tests/test_seam.py keeps every other module, `train
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
 from . import trl_compat
-from .micro_batches import loss_in_pieces, piece_weights, split_rows, take_rows
+from .micro_batches import combine_metrics, length_order, loss_in_pieces, piece_weights, take_rows
 from .rollout.batching import TRLBatchSpec
 from .rollout.collector import sharded_forward
 from .rollout.loop import Rollout
@@ -178,19 +179,42 @@ class GRPOAdapter(GRPOTrainer):
 
     def loss_in_pieces(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss over a micro-batch, in pieces of at most `per_device_train_batch_size` rows
-        (with `shared_prefix`, cut in token order)."""
+        (with `shared_prefix`, cut in token order where that pays), logging what TRL's loss logs over
+        the whole micro-batch (`micro_batches.combine_metrics`)."""
         size = self.args.per_device_train_batch_size
-        runs = self.shared_prefix.pieces(inputs, size) if self.shared_prefix is not None else None
-        pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
+        plain = length_order(inputs, size)
+        runs = self.shared_prefix.pieces(inputs, plain) if self.shared_prefix is not None else None
+        pieces = take_rows(inputs, plain if runs is None else runs)
         if len(pieces) == 1:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned for: the
         # loss runs piece by piece, so activation memory is bounded by per_device_train_batch_size rows.
         loss = functools.partial(super().compute_loss, model)
-        return loss_in_pieces(
-            pieces, piece_weights(pieces, self.loss_type), loss, self._backward_piece,
-            functools.partial(self.accelerator.no_sync, model), torch.is_grad_enabled(), self.accelerator.device,
+        weights = piece_weights(pieces, self.loss_type)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        logged = {key: len(values) for key, values in metrics.items()}
+        result = loss_in_pieces(
+            pieces, weights, loss, self._backward_piece, functools.partial(self.accelerator.no_sync, model),
+            torch.is_grad_enabled(), self.accelerator.device,
         )
+        self._combine_piece_metrics(metrics, logged, pieces, weights)
+        return result
+
+    def _combine_piece_metrics(self, metrics: dict[str, list], logged: dict[str, int], pieces, weights) -> None:
+        """Replace what TRL's loss logged once per piece by one value over the micro-batch (`combine_metrics`:
+        token means weighted by every rank's completion tokens of each piece)."""
+        new = {key: values[logged.get(key, 0):] for key, values in metrics.items()}
+        new = {key: values for key, values in new.items() if len(values) == len(pieces)}
+        masks = [p["completion_mask"] * p["tool_mask"] if "tool_mask" in p else p["completion_mask"] for p in pieces]
+        counts = torch.tensor([[float(m.sum()) for m in masks], [float(m.size(0)) for m in masks]],
+                              device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # every rank has as many pieces (`loss_in_pieces`)
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        tokens, rows = counts.tolist()
+        combined = combine_metrics(new, tokens, rows, weights, self.importance_sampling_level == "sequence")
+        for key, value in combined.items():
+            del metrics[key][logged.get(key, 0):]
+            metrics[key].append(value)
 
     def _backward_piece(self, loss: torch.Tensor) -> None:
         if self.is_deepspeed_enabled:  # accumulate without DeepSpeed's optimizer step
@@ -207,10 +231,15 @@ class GRPOAdapter(GRPOTrainer):
             return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
 
         shared = self.shared_prefix
-        if shared is None or not shared.applies(compute_aux_loss, extra):
+        if shared is None or not shared.applies(compute_aux_loss, extra, compute_entropy):
             return plain()
         return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                           compute_entropy, plain)
+
+    def train(self, *args, **kwargs):
+        """TRL's `train`, inside what the shared-prefix forward needs (SDPA models: `packed_attention.routed`)."""
+        with self.shared_prefix.scope() if self.shared_prefix is not None else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ TRL's metrics
 
