@@ -143,6 +143,7 @@ def train_variant(name: str, args, policy: Path, output_dir: str) -> dict:
         report_to="none",
         disable_tqdm=True,
         use_cpu=args.device == "cpu",
+        bf16=args.device != "cpu",  # float32 on a CPU
         seed=0,
         **vllm,
     )

@@ -80,7 +80,7 @@ def run(tokenizer, args, variant: str, staleness: int, work: Path) -> dict:
         max_steps=args.steps, tasks_per_iteration=args.tasks, num_generations=4, per_device_train_batch_size=4,
         gradient_accumulation_steps=2, max_turns=4, history_length=1, max_completion_length=args.max_completion_length,
         evaluate_before_training=False, eval_interval=0, eval_tasks=1, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, seed=0, disable_tqdm=True, max_staleness=staleness,
+        report_to="none", use_cpu=True, bf16=False, seed=0, disable_tqdm=True, max_staleness=staleness,
         learning_rate=1e-3 if variant == "lora" else 1e-4,
     )
     peft = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if variant == "lora" else None

@@ -159,6 +159,7 @@ def make_trainer(model, tokenizer, args, output_dir, batch_size: int = 2, **vllm
         max_completion_length=args.max_completion_length,
         temperature=1.0,
         use_cpu=args.device == "cpu",
+        bf16=args.device != "cpu",  # float32 on a CPU
         report_to="none",
         save_strategy="no",
         seed=0,

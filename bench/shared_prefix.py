@@ -1,24 +1,34 @@
 """The update with each shared prefix forwarded once (`shared_prefix=True`) against TRL's row-by-row
 forward, side by side in one process: tokens forwarded, update time and peak memory per batch.
 
-    python -m bench.shared_prefix                                   # every workload, 2 rounds
-    python -m bench.shared_prefix --workloads textcraft --rounds 3
+    python -m bench.shared_prefix                                   # every workload, 1 round
+    python -m bench.shared_prefix --workloads textcraft context4k --rounds 2
     python -m bench.shared_prefix --out bench/results/shared_prefix.json
 
 The model and settings are the main job's (`python train.py`): the embedded SmolLM2-135M-Instruct with
-LoRA r=16 on q/k/v/o, gradient checkpointing, pieces of `per_device_train_batch_size=4` rows, TRL's
-fused LM head on the labelled positions (`memory.bound_cpu_memory`). One update is
-`BiPACETrainer.compute_loss` and its backward over one micro-batch, as `training_step` runs it.
-Batches, laid out by `batching.padded_tensors` exactly as training lays them out:
+LoRA r=16 on q/k/v/o, gradient checkpointing (turned on as `Trainer.train` turns it on), pieces of
+`per_device_train_batch_size=4` rows, TRL's fused LM head on the labelled positions
+(`memory.bound_cpu_memory`), inside the shared-prefix forward's scope as `BiPACETrainer.train` runs it.
+One update is `BiPACETrainer.compute_loss` and its backward over one micro-batch, as `training_step` runs
+it. Batches, laid out by `batching.padded_tensors` exactly as training lays them out:
 
 - `textcraft`: one task group of the main job: 4 episodes of a 3-step goal (max_expert_steps=3), up to
   6 turns, history 1, played by the half-random expert (`collect_demonstrations`, expert_prob 0.5);
 - `alfworld`: the same on ALFWorld's first training game, history 2 (the recipes');
-- `tool{T}`: a TRL tool env's group: 2 episodes of T turns of a calculator tool, where turn k+1's prompt is
-  turn k's prompt, reply and tool answer (the exact tokens, as TRL's environment_factory builds them).
+- `context{K}` (1k, 2k, 4k, 8k): an agent whose prompt holds K tokens: 4 rows of one task, each a shared
+  context of K - 200 tokens (instructions, tool schemas, a document), then 200 tokens of its own (history
+  and observation) and a 40-token reply; random token ids (the cost does not depend on the text);
+- `quarter1k`: 4 rows of 1K-token prompts sharing their first quarter (near the cost model's margin);
+- `distinct4k`: 4 rows of 4K-token prompts that share only a 100-token system text (little to share);
+- `tool{T}` (10, 30, 50): a TRL tool env's group: 2 episodes of T turns of a calculator tool (one episode of
+  50), where turn k+1's prompt is turn k's prompt, reply and tool answer (the exact tokens, as TRL's
+  environment_factory builds them).
 
-Each round runs plain then shared on every batch (one untimed shared call first: the first-use check).
-Prints a table and the ratios; `--out` writes JSON with the CPU model, threads and load average.
+Each round runs plain then shared on every batch (one untimed shared call first: the first-use check),
+interleaved, so that a machine shared with other jobs loads both alike. The table's time is the update's CPU
+seconds (one thread: the work done, which other jobs on the cores stretch in wall time but not in CPU time;
+the JSON has both). Prints the ratios and what the cost model chose; `--out` writes JSON with the CPU model,
+threads and the load average before and after each update.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -38,7 +49,8 @@ from types import SimpleNamespace
 import psutil
 import torch
 
-WORKLOADS = ("textcraft", "alfworld", "tool3", "tool10", "tool30")
+WORKLOADS = ("textcraft", "alfworld", "context1k", "context2k", "context4k", "context8k", "quarter1k", "distinct4k",
+             "tool10", "tool30", "tool50")
 
 
 def make_trainer(output_dir: str):
@@ -55,6 +67,8 @@ def make_trainer(output_dir: str):
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
     trainer = BiPACETrainer(model="embedded", args=args, peft_config=lora)
     trainer.model.train()
+    # as `Trainer.train` does before its first step (the trainer's constructor leaves it off)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
     return trainer
 
@@ -101,6 +115,16 @@ def tool_rows(trainer, turns: int, episodes: int = 2, seed: int = 0) -> list[Sim
     return steps
 
 
+def context_rows(trainer, prompt_tokens: int, shared_tokens: int, rows: int = 4, seed: int = 0) -> list[SimpleNamespace]:
+    """`rows` prompts of `prompt_tokens` tokens sharing their first `shared_tokens`, each with a 40-token reply."""
+    rng, eos = random.Random(seed), trainer._tokenizer.eos_token_id
+    vocabulary = range(100, trainer._tokenizer.vocab_size - 100)
+    draw = lambda n: [rng.choice(vocabulary) for _ in range(n)]  # noqa: E731
+    shared = draw(shared_tokens)
+    return [SimpleNamespace(prompt_ids=shared + draw(prompt_tokens - shared_tokens), completion_ids=draw(39) + [eos])
+            for _ in range(rows)]
+
+
 def micro_batch(trainer, steps) -> dict:
     """The steps as TRL's training batch (`batching.padded_tensors`), shuffled as TRL shuffles it."""
     from bipace_trainer.rollout.batching import padded_tensors
@@ -128,22 +152,26 @@ def update(trainer, inputs, shared) -> dict:
             peak[0] = max(peak[0], process.memory_info().rss)
             time.sleep(0.01)
 
-    before_tokens = shared.stats["tokens_shared"] if shared else 0
+    before = dict(shared.stats) if shared else {}
+    load_before = os.getloadavg()[0]
     base = process.memory_info().rss
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = trainer.compute_loss(trainer.model, inputs)
     trainer.accelerator.backward(loss)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     done.set()
     sampler.join()
-    if shared:
-        tokens = shared.stats["tokens_shared"] - before_tokens
+    result = {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mb": (peak[0] - base) / 2**20, "loss": float(loss.detach()),
+              "load": [load_before, os.getloadavg()[0]]}
+    if shared:  # what the cost model chose: forwards packed or left to TRL, micro-batches cut in token order
+        result.update({key: shared.stats[key] - before.get(key, 0) for key in shared.stats})
+        result["tokens"] = result["tokens_shared"]
     else:
-        tokens = sum(p["prompt_ids"].numel() + p["completion_ids"].numel()
-                     for p in split_rows(inputs, trainer.args.per_device_train_batch_size))
-    return {"seconds": seconds, "peak_mb": (peak[0] - base) / 2**20, "tokens": tokens, "loss": float(loss.detach())}
+        result["tokens"] = sum(p["prompt_ids"].numel() + p["completion_ids"].numel()
+                               for p in split_rows(inputs, trainer.args.per_device_train_batch_size))
+    return result
 
 
 def machine() -> dict:
@@ -161,8 +189,17 @@ def batches(trainer, names) -> dict:
             steps = env_rows(trainer, "textcraft", 1, {"max_expert_steps": 3})
         elif name == "alfworld":
             steps = env_rows(trainer, "alfworld", 2, {})
-        else:
-            steps = tool_rows(trainer, int(name.removeprefix("tool")))
+        elif name.startswith("context"):
+            tokens = int(name.removeprefix("context").removesuffix("k")) * 1024
+            steps = context_rows(trainer, tokens, tokens - 200)
+        elif name.startswith("distinct"):
+            steps = context_rows(trainer, int(name.removeprefix("distinct").removesuffix("k")) * 1024, 100)
+        elif name.startswith("quarter"):
+            tokens = int(name.removeprefix("quarter").removesuffix("k")) * 1024
+            steps = context_rows(trainer, tokens, tokens // 4)
+        else:  # the 50-turn episode alone: two would take the plain path hours on a shared 2-core machine
+            turns = int(name.removeprefix("tool"))
+            steps = tool_rows(trainer, turns, episodes=2 if turns <= 30 else 1)
         made[name] = micro_batch(trainer, steps)
     return made
 
@@ -170,13 +207,14 @@ def batches(trainer, names) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default=None)
     cli = parser.parse_args(argv)
     from bipace_trainer import memory
 
     trainer = make_trainer(tempfile.mkdtemp(prefix="bench-shared-prefix-"))
-    with memory.bound_cpu_memory(trainer.accelerator.device):  # as `BiPACETrainer.train` runs the update
+    # as `BiPACETrainer.train` runs the update (the plain path's calls go to transformers' own attention)
+    with memory.bound_cpu_memory(trainer.accelerator.device), trainer.shared_prefix.scope():
         return run(trainer, cli)
 
 
@@ -184,16 +222,22 @@ def run(trainer, cli) -> dict:
     shared = trainer.shared_prefix
     assert shared is not None, "shared_prefix is off for this model (see the log)"
     made = batches(trainer, cli.workloads)
-    first = next(iter(made.values()))
-    update(trainer, {k: (v[:2] if torch.is_tensor(v) and v.dim() else v) for k, v in first.items()}, shared)  # the check
-    assert shared.enabled, "the first-use check turned shared_prefix off"
+    update(trainer, micro_batch(trainer, context_rows(trainer, 300, 250)), shared)  # untimed: the first-use check
+    assert shared.checked and shared.enabled, "the first-use check turned shared_prefix off"
     results = {name: {"rows": int(b["prompt_ids"].size(0)), "plain": [], "shared": []} for name, b in made.items()}
     for _ in range(cli.rounds):
         for name, inputs in made.items():
             results[name]["plain"].append(update(trainer, inputs, None))
             results[name]["shared"].append(update(trainer, inputs, shared))
-    report = {"machine": machine(), "rounds": cli.rounds, "date": time.strftime("%Y-%m-%d"), "results": results}
+            report = write(cli, results)  # after every pair: a long run keeps what it measured
     print(table(report))
+    return report
+
+
+def write(cli, results: dict) -> dict:
+    done = {name: r for name, r in results.items() if r["shared"]}
+    report = {"machine": machine(), "rounds": cli.rounds, "date": time.strftime("%Y-%m-%d"), "results": done,
+              "command": "python -m bench.shared_prefix " + " ".join(sys.argv[1:])}
     if cli.out:
         Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cli.out).write_text(json.dumps(report, indent=1))
@@ -202,15 +246,20 @@ def run(trainer, cli) -> dict:
 
 def table(report: dict) -> str:
     lines = [f"{report['machine']['cpu']}, {report['machine']['threads']} thread(s), load {report['machine']['load_average']}",
-             f"{'batch':<10} {'rows':>4} | {'tokens plain':>12} {'shared':>7} {'ratio':>5} | {'update s plain':>14} "
-             f"{'shared':>7} {'ratio':>5} | {'peak MB plain':>13} {'shared':>7} | loss plain / shared"]
+             f"{'batch':<10} {'rows':>4} | {'tokens plain':>12} {'shared':>7} {'ratio':>5} | {'CPU s plain':>14} "
+             f"{'shared':>7} {'ratio':>5} | {'peak MB plain':>13} {'shared':>7} {'ratio':>5} | packed/plain forwards, "
+             "regrouped | loss plain / shared"]
     for name, r in report["results"].items():
         p, s = r["plain"], r["shared"]
         tp, ts = p[0]["tokens"], s[0]["tokens"]
-        sp, ss = statistics.median(x["seconds"] for x in p), statistics.median(x["seconds"] for x in s)
+        sp, ss = statistics.median(x["cpu_seconds"] for x in p), statistics.median(x["cpu_seconds"] for x in s)
         mp, ms = max(x["peak_mb"] for x in p), max(x["peak_mb"] for x in s)
+        chose = f"{s[0]['packed_forwards']}/{s[0]['plain_forwards']}, {s[0]['regrouped']}"
+        if s[0].get("flops_plain"):  # the cost model's FLOPs ratio, to set beside the measured one
+            chose += f", model {s[0]['flops_shared'] / s[0]['flops_plain']:.2f}"
         lines.append(f"{name:<10} {r['rows']:>4} | {tp:>12} {ts:>7} {ts / tp:>5.2f} | {sp:>14.1f} {ss:>7.1f} "
-                     f"{ss / sp:>5.2f} | {mp:>13.0f} {ms:>7.0f} | {p[0]['loss']:.6f} / {s[0]['loss']:.6f}")
+                     f"{ss / sp:>5.2f} | {mp:>13.0f} {ms:>7.0f} {ms / max(mp, 1):>5.2f} | {chose:>21} | "
+                     f"{p[0]['loss']:.6f} / {s[0]['loss']:.6f}")
     return "\n".join(lines)
 
 

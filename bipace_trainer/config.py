@@ -10,7 +10,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from trl import GRPOConfig
 
 from envs.base import MILESTONE_KINDS, EnvUnavailableError, resolve_env_class
@@ -21,9 +20,9 @@ from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, r
 from .rollout.loop import ROLLOUT_MODES
 from .trl_advantages import AGGREGATIONS
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
-_BIPACE = "https://github.com/TianxiangZhao/BiPACE"
+_BIPACE = "https://arxiv.org/abs/2606.25556"
 DEFAULT_ENV = "textcraft"
 _GIGPO = "https://arxiv.org/abs/2505.10978"
 _HGPO = "https://arxiv.org/abs/2602.22817"
@@ -145,6 +144,22 @@ def _is_finite_number(value: Any) -> bool:
         return math.isfinite(float(value))
     except (TypeError, ValueError):
         return False
+
+
+def batch_shape_fix(tasks: int, generations: int, per_device: int, world: int) -> str:
+    """The one flag that makes `tasks` × `generations` rows fill whole batches of `per_device` × `world`
+    rows with whole task groups on every process: more tasks (a multiple of the processes) when the task
+    groups do not split evenly across them (only that fixes both), else a smaller per-process batch, with
+    more tasks as the alternative."""
+    more = next((t for t in range(tasks, tasks + 64 * world) if t % world == 0 and t * generations % (per_device * world) == 0), None)
+    fewer = next((b for b in range(per_device, 0, -1) if tasks * generations % (b * world) == 0), None)
+    options = [f"--tasks_per_iteration {more}" if more else None]
+    if tasks % world == 0:  # the groups split evenly already: keep the run's size, cut its batches
+        options.insert(0, f"--per_device_train_batch_size {fewer}" if fewer else None)
+    options = [option for option in options if option]
+    if not options:
+        return f"pick per_device_train_batch_size ({per_device}) × processes ({world}) so that it divides that product."
+    return f"pass {options[0]}" + (f" (or {options[1]})" if len(options) > 1 else "") + "."
 
 
 @dataclass
@@ -273,9 +288,10 @@ class BiPACEConfig(GRPOConfig):
     shared_prefix (`bool`, True): the update's forward passes (and the old and reference log-prob
         passes) compute a token prefix that rows share once (`shared_prefix.py`): a task group's
         common prompt, and an episode whose turns each extend the one before as one sequence. The
-        same log-probs, entropies and gradients as TRL's row-by-row forward, checked against it on
-        the first call; off (logged once) under flash attention, ZeRO-3 and FSDP.
-        See docs/performance.md.
+        same log-probs, entropies, loss, gradients and logged metrics as TRL's row-by-row forward under
+        every loss setting, checked against it on the first packed forward; rows are packed only where
+        a cost model says that forwards fewer FLOPs within the plain path's peak memory. Off (logged
+        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP. See docs/performance.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,
@@ -626,9 +642,9 @@ class BiPACEConfig(GRPOConfig):
         ours = self.tasks_per_iteration is not None  # else TRL's schedule, tasks derived from it below
         if ours and self.generation_batch_size is None and self.steps_per_generation is None:
             self.generation_batch_size = self.tasks_per_iteration * self.num_generations
-        if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
-            # TRL defaults to bf16, which transformers refuses on a CPU-only machine: train in fp32 there.
-            self.bf16 = False
+        # bf16 resolves as GRPOConfig resolves it (True unless fp16, also with use_cpu): a TRL script
+        # switched to this class keeps its precision. A CPU without use_cpu refuses it, as transformers
+        # does (below, in words that name the fix); `train.py` chooses float32 on a CPU itself.
         precision = (self.bf16, self.fp16)
         if self.printing_only:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
             self.bf16 = self.fp16 = False
@@ -637,15 +653,17 @@ class BiPACEConfig(GRPOConfig):
         except ValueError as err:
             if "bf16/gpu" in str(err):  # transformers' message names neither the field nor the fix
                 raise ValueError(
-                    "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible: run on a GPU, "
-                    "or on this CPU add --bf16 false (float32) or --use_cpu true (bf16 on the CPU)."
+                    "bf16=True (the recipes train in bf16) needs a CUDA GPU and none is visible (bf16 is GRPOConfig's "
+                    "default unless fp16): run on a GPU, or on this CPU set bf16=False (--bf16 false: float32) or "
+                    "use_cpu=True (--use_cpu true: bf16 on the CPU)."
                 ) from None
             if "divisible" not in str(err) or not ours:
                 raise
             raise ValueError(
                 f"{err} Here generation_batch_size = tasks_per_iteration × num_generations = "
-                f"{self.tasks_per_iteration} × {self.num_generations}: pick per_device_train_batch_size "
-                f"({self.per_device_train_batch_size}) × processes so that it divides that product."
+                f"{self.tasks_per_iteration} × {self.num_generations}: "
+                + batch_shape_fix(self.tasks_per_iteration, self.num_generations, self.per_device_train_batch_size,
+                                  self.world_size)
             ) from None
         if self.printing_only:
             self.bf16, self.fp16 = precision

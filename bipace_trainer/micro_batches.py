@@ -9,8 +9,11 @@ is bounded by `per_device_train_batch_size` rows whatever the horizon.
 
 The pieces give the same gradient as the whole micro-batch: each piece's loss is
 weighted by its share of what TRL's `loss_type` averages over (`piece_weights`). Rows
-are ordered by length before they are cut, and each piece keeps only the columns its
-own rows use, so short steps are not padded to the longest step of the generation.
+are ordered by length before they are cut (`length_order`), and each piece keeps only the
+columns its own rows use, so short steps are not padded to the longest step of the
+generation. What TRL's loss logs per piece is combined into one value per micro-batch
+(`combine_metrics`), so the logs do not depend on how the rows were cut (the shared-prefix
+update cuts other pieces: `shared_prefix.py`).
 """
 
 from __future__ import annotations
@@ -37,14 +40,18 @@ def split_rows(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
     else (`num_items_in_batch`, scalars) is shared by every piece. Returns `[inputs]`
     when the micro-batch already fits.
     """
+    if inputs["prompt_mask"].shape[0] <= size:
+        return [inputs]
+    return take_rows(inputs, length_order(inputs, size))
+
+
+def length_order(inputs: dict[str, Any], size: int) -> list[list[int]]:
+    """The row indices of `split_rows`' pieces: rows in order of their real length, `size` at a time."""
     if size < 1:
         raise ValueError(f"per_device_train_batch_size={size} must be at least 1.")
     prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
-    rows = prompt_mask.shape[0]
-    if rows <= size:
-        return [inputs]
     order = torch.argsort(prompt_mask.sum(1) + completion_mask.sum(1), stable=True)
-    return take_rows(inputs, [order[start : start + size].tolist() for start in range(0, rows, size)])
+    return [order[start : start + size].tolist() for start in range(0, prompt_mask.shape[0], size)]
 
 
 def take_rows(inputs: dict[str, Any], runs: list[list[int]]) -> list[dict[str, Any]]:
@@ -119,3 +126,41 @@ def loss_in_pieces(
             backward(value)
         done = done + value.detach()
     return loss(pieces[-1]) * weights[-1] + done
+
+
+# How TRL's loss logs each metric of one piece (`GRPOTrainer._compute_loss`): a mean over the piece's completion
+# tokens (`global_masked_mean`), over its rows where the values are one per row (sequence-level importance
+# ratios, VESPO's weights), a min or max over its rows, or the piece's loss; `entropy_coef` is a setting.
+_TOKEN_MEANS = ("entropy", "kl")
+_RATIO_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+_ROW_MEANS = ("vespo/phi_seq_mean",)
+_EXTREMES = {"clip_ratio/low_min": min, "clip_ratio/high_max": max}
+
+
+def combine_metrics(values: dict[str, list[float]], tokens: list[float], rows: list[float], weights: list[float],
+                    sequence_level: bool) -> dict[str, float]:
+    """One value per metric for the whole micro-batch from each piece's (`values[key][p]`), so that how the rows
+    were cut into pieces changes nothing that is logged (the shared-prefix update cuts other pieces than the plain
+    path): token means weighted by each piece's completion tokens `tokens[p]` (over all ranks), row means by its
+    rows `rows[p]`, extremes over the pieces (NaN, a piece without completion tokens, left out), `policy_loss` by
+    the pieces' loss weights (`piece_weights`). Keys not listed here are not returned (left as logged)."""
+    combined = {}
+    for key, per_piece in values.items():
+        if key in _TOKEN_MEANS or (key in _RATIO_MEANS and not sequence_level):
+            combined[key] = _weighted_mean(per_piece, tokens)
+        elif key in _ROW_MEANS or key in _RATIO_MEANS:
+            combined[key] = _weighted_mean(per_piece, rows)
+        elif key in _EXTREMES:
+            finite = [v for v in per_piece if v == v]
+            combined[key] = _EXTREMES[key](finite) if finite else float("nan")
+        elif key == "policy_loss":
+            combined[key] = sum(v * w for v, w in zip(per_piece, weights))
+        elif key == "entropy_coef":
+            combined[key] = per_piece[-1]
+    return combined
+
+
+def _weighted_mean(values: list[float], counts: list[float]) -> float:
+    """Σ v·n / Σ n: the mean over the union of the pieces whose means are `values` (0 over no item, as TRL's)."""
+    total = sum(counts)
+    return sum(v * n for v, n in zip(values, counts)) / total if total else 0.0

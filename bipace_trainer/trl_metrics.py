@@ -22,6 +22,13 @@ tokens are the completions of all its turns:
   is left out, as TRL's `nanmean` leaves NaN out; `frac_reward_zero_std` is the share of
   scored episodes whose task group's rewards are all equal.
 
+- `num_tokens` (`trl_token_count`): TRL's running count of prompt and model-generated tokens,
+  each training sample's prompt and its completion's model tokens: an episode of TRL's envs (one
+  chat that grows) counts its first prompt and every reply, not the tool results between them;
+  a step of our envs (a prompt rebuilt every turn: its own sample) counts its prompt and reply.
+  Ours beside it: `rollout/tokens_processed`, every token the model read or wrote once
+  (`processed_token_count`, the tool results too), and `rollout/tokens_all_turns`.
+
 Every function takes plain per-episode values (gathered over ranks by the caller), so all
 ranks log the same numbers, and the standard deviations are TRL's own (`nanstd`, unbiased).
 """
@@ -34,7 +41,10 @@ from typing import Hashable, Sequence
 import torch
 from trl.trainer.utils import nanstd
 
-__all__ = ["EpisodeSummary", "summarise_episodes", "trl_metrics", "episode_token_count", "generation_trl_metrics"]
+__all__ = [
+    "EpisodeSummary", "summarise_episodes", "trl_metrics", "trl_token_count", "processed_token_count",
+    "generation_trl_metrics",
+]
 
 
 @dataclass(frozen=True)
@@ -51,24 +61,44 @@ class EpisodeSummary:
     tool_failures: int = 0
 
 
-def episode_token_count(steps: Sequence) -> int:
-    """TRL's `num_tokens` of one generation's steps: the tokens the model processed, each once.
+def _shared_prefix(before: Sequence[int], prompt: Sequence[int]) -> int:
+    shared = 0
+    for a, b in zip(before, prompt):
+        if a != b:
+            break
+        shared += 1
+    return shared
 
-    TRL's sample is one prompt and one completion (a tool episode's completion holds every reply
-    and tool result); our steps re-send each turn's whole prompt. So a step's prompt counts only
-    past the longest prefix it shares with its episode's previous prompt and reply: a chat that
-    only grew (TRL's envs) counts as TRL's one prompt plus completion, and a prompt rebuilt from
-    scratch (our envs' history window) counts whole. Steps must be in turn order within an episode."""
+
+def trl_token_count(steps: Sequence) -> int:
+    """TRL's `num_tokens` of one generation's steps: each sample's prompt tokens and its completion's
+    model-generated tokens (TRL 1.16 `_generate_and_score_completions`: prompt lengths plus the
+    completion lengths under `tool_mask`).
+
+    TRL's sample on a tool env is the whole chat: one prompt, then replies and tool results (masked
+    out of the count). A step whose prompt starts with its episode's previous prompt (a chat that
+    grew: the reply as the template renders it, then tool results) is a turn of that one sample: its
+    reply counts, its prompt's new tokens do not. Any other prompt (our envs rebuild theirs each
+    turn) is a sample of its own and counts whole. Steps must be in turn order within an episode."""
     previous: dict[int, list[int]] = {}
     total = 0
     for step in steps:
-        before, prompt = previous.get(step.traj, []), list(step.prompt_ids)
-        shared = 0
-        for a, b in zip(before, prompt):
-            if a != b:
-                break
-            shared += 1
-        total += len(prompt) - shared + len(step.completion_ids)
+        before, prompt = previous.get(step.traj), list(step.prompt_ids)
+        grown = before is not None and _shared_prefix(before, prompt) == len(before)
+        total += (0 if grown else len(prompt)) + len(step.completion_ids)
+        previous[step.traj] = prompt
+    return total
+
+
+def processed_token_count(steps: Sequence) -> int:
+    """The tokens the model read or wrote in one generation's steps, each once: a step's prompt
+    counts only past the longest prefix it shares with its episode's previous prompt and reply (a
+    grown chat's tool results count, a rebuilt prompt counts whole). Steps in turn order per episode."""
+    previous: dict[int, list[int]] = {}
+    total = 0
+    for step in steps:
+        prompt = list(step.prompt_ids)
+        total += len(prompt) - _shared_prefix(previous.get(step.traj, []), prompt) + len(step.completion_ids)
         previous[step.traj] = prompt + list(step.completion_ids)
     return total
 
@@ -145,19 +175,20 @@ def trl_metrics(episodes: Sequence[EpisodeSummary], reward_func_names: Sequence[
 def generation_trl_metrics(
     rollout, reward_func_names: Sequence[str], stop_token_ids: Sequence[int], accelerator, *, single_source: str | None,
     failed_scored: bool, tools: bool,
-) -> tuple[dict[str, float], int, int]:
+) -> tuple[dict[str, float], dict[str, int]]:
     """GRPOTrainer's own metrics of one generation over every rank (`summarise_episodes` → `trl_metrics`)
-    and its token counts over every rank: the tokens the model processed, each once (`episode_token_count`,
-    TRL's `num_input_tokens_seen`), and every step's whole prompt and completion (ours,
-    `rollout/tokens_all_turns`)."""
+    and its token counts over every rank: "trl" (`trl_token_count`, what TRL adds to
+    `num_input_tokens_seen`), "processed" (`processed_token_count`) and "all_turns" (every step's whole
+    prompt and completion)."""
     from accelerate.utils import gather_object
 
     summaries = summarise_episodes(
         rollout, stop_token_ids, rank=accelerator.process_index, single_source=single_source, failed_scored=failed_scored
     )
-    all_turns = sum(len(s.prompt_ids) + len(s.completion_ids) for s in rollout.steps)
-    tokens = torch.tensor([[episode_token_count(rollout.steps), all_turns]], device=accelerator.device)
+    steps = rollout.steps
+    counts = [trl_token_count(steps), processed_token_count(steps), sum(len(s.prompt_ids) + len(s.completion_ids) for s in steps)]
+    tokens = torch.tensor([counts], device=accelerator.device)
     if accelerator.num_processes > 1:
         summaries = gather_object(summaries)
-    processed_once, every_turn = (int(n) for n in accelerator.gather(tokens).sum(dim=0))
-    return trl_metrics(summaries, reward_func_names, tools=tools), processed_once, every_turn
+    totals = [int(n) for n in accelerator.gather(tokens).sum(dim=0)]
+    return trl_metrics(summaries, reward_func_names, tools=tools), dict(zip(("trl", "processed", "all_turns"), totals))

@@ -105,3 +105,70 @@ def test_a_setting_checked_against_the_model_exits_2_before_loading_weights(tmp_
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("train.py: error: cluster_layer=9 is out of range"), lines
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the decision is for training on a CPU")
+def test_on_a_cpu_train_py_decides_float32_itself_and_says_so_whatever_the_config_defaults_to():
+    """TRL's own default under use_cpu is bf16 autocast (BiPACEConfig may take TRL's defaults): train.py decides."""
+    from trl import GRPOConfig
+
+    assert GRPOConfig(output_dir="unused", use_cpu=True).bf16 is True  # what the CLI overrides
+    script_args, training_args, _ = train.parse_args(["--env", "tiny", "--use_cpu", "true"])
+    assert training_args.bf16 is False and script_args.precision.startswith("precision: float32 (training on the CPU")
+    script_args, training_args, _ = train.parse_args(["--env", "tiny", "--use_cpu", "true", "--bf16", "true"])
+    assert training_args.bf16 is True and script_args.precision is None  # asked for: the user's choice stands
+
+
+def test_a_batch_shape_refusal_names_the_one_flag_that_fixes_it_first():
+    from bipace_trainer.config import batch_shape_fix
+
+    assert batch_shape_fix(tasks=1, generations=4, per_device=4, world=2) == "pass --tasks_per_iteration 2."
+    assert batch_shape_fix(tasks=3, generations=2, per_device=4, world=1) == (
+        "pass --per_device_train_batch_size 3 (or --tasks_per_iteration 4).")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """train.main as far as it goes before the model loads: loading it fails the test."""
+    def load(*args):
+        raise AssertionError("the model would load: the mistake was not refused before")
+
+    monkeypatch.setattr(train, "build_trainer", load)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--learning_rate", "-0.001"], ("learning_rate=-0.001 must be >= 0",)),  # before: torch's traceback after the load
+    (["--temperature", "0"], ("temperature=0.0 must be > 0", "greedy", "--eval_temperature 0")),  # before: 92 lines
+    (["--epsilon", "-0.2"], ("epsilon=-0.2 must be > 0", "clip range")),  # before: accepted, every token clipped
+    (["--beta", "-1"], ("beta=-1.0 must be >= 0", "KL")),  # before: accepted
+    (["--output_dir", "{tmp}/a-file"], ("is a file, not a folder",)),  # before: tracebacks
+    (["--output_dir", "{tmp}/a-file/run"], ("lies under the file",)),
+    (["--resume_from_checkpoint", "{tmp}/out/checkpoint-3"], ("holds no complete checkpoint (no trainer_state.json",)),
+])
+def test_a_mistake_that_used_to_load_the_model_first_is_one_line_before_it(argv, needles, tmp_path, no_model):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "out" / "checkpoint-3").mkdir(parents=True)
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    args = train.parse_args(["--env", "tiny", "--use_cpu", "true", "--output_dir", str(tmp_path / "out"), *argv])
+    with pytest.raises(train.ConfigError) as refused:
+        train.main(*args)
+    assert "\n" not in str(refused.value) and all(needle in str(refused.value) for needle in needles), str(refused.value)
+
+
+@pytest.mark.parametrize("line,needles", [
+    ("learning_rate: [1.0e-6, 2.0e-6]", ("learning_rate: [1e-06, 2e-06]", "a list, for a single number")),
+    ("max_steps: 2.5", ("max_steps: 2.5", "a float, for a whole number")),
+    ("preset: {name: gigpo}", ("preset: {'name': 'gigpo'}", "a mapping, for a name")),
+    ("max_turns: true", ("max_turns: True", "a boolean, for a whole number")),
+])
+def test_a_recipe_value_of_the_wrong_type_is_one_line_and_exit_2(line, needles, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"env_name: tiny\nuse_cpu: true\n{line}\n")
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--config", str(recipe)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(needle in err for needle in (*needles, str(recipe))), err
+    recipe.write_text("env_name: tiny\nuse_cpu: true\nlearning_rate: 1.0e-6\nmax_steps: 3\nenv_kwargs: {size: 4}\n"
+                      "lora_target_modules: [q_proj, v_proj]\nreport_to: [none]\n")  # every type as its field takes it
+    train.parse_args(["--config", str(recipe)])

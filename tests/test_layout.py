@@ -31,7 +31,8 @@ ALLOWED = {
     "trl_metrics": set(),
     "memory": {"trl_compat"},
     "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
-    "shared_prefix": set(),
+    "shared_prefix": {"packed_attention"},
+    "packed_attention": {"trl_compat"},  # the shared-prefix forward's attention, routed for the run
     "trl_advantages": set(),  # GRPOTrainer's own advantage for one-step (plain prompt) episodes
     # GRPOTrainer's internals handed out as values: the trainer's base class
     "trl_adapter": {"rollout", "run", "micro_batches", "trl_metrics", "trl_compat", "trl_advantages"},

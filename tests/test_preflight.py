@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,6 +141,41 @@ def test_a_recipe_that_writes_env_is_told_to_write_env_name(config_only_model, t
     proc = subprocess.run([sys.executable, "train.py", "--config", str(recipe)], cwd=ROOT, env=BASE_ENV,
                           capture_output=True, text=True, timeout=300)
     assert_refused(proc, "env: 'tiny'", "env_name: tiny")
+
+
+def _private_mounts() -> bool:
+    probe = subprocess.run(["unshare", "-r", "-m", "true"], capture_output=True) if shutil.which("unshare") else None
+    return probe is not None and probe.returncode == 0
+
+
+# Issue 56's mistakes, each once as a user launches it (the others of each kind, in-process and fast, are
+# in tests/test_cli.py: the same checks, before the same model load).
+def test_temperature_0_is_refused_saying_how_greedy_decoding_is_had(config_only_model, tmp_path):
+    """Before: a 92-line traceback from inside the first rollout; TRL users type it for greedy decoding."""
+    assert_refused(run_train(config_only_model, "--env", "tiny", "--temperature", "0", tmp=tmp_path),
+                   "temperature=0.0 must be > 0", "greedy", "--eval_temperature 0")
+
+
+def test_a_read_only_output_dir_is_refused(config_only_model, tmp_path):
+    """Before: a traceback. As root `chmod 555` stops no write: a read-only bind mount in a private namespace does."""
+    if not _private_mounts():
+        pytest.skip("needs `unshare -r -m` for a read-only bind mount")
+    target = tmp_path / "target"
+    target.mkdir()
+    mount = f"mount --bind {target} {target} && mount -o remount,bind,ro {target} && exec \"$@\""
+    argv = ["--model_name_or_path", str(config_only_model), "--preset", "gigpo", "--env", "tiny", "--output_dir", str(target)]
+    proc = subprocess.run(["unshare", "-r", "-m", "bash", "-c", mount, "--", sys.executable, "train.py", *argv], cwd=ROOT,
+                          env=BASE_ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert_refused(proc, f"output_dir={str(target)!r} cannot be written (Read-only file system)")
+
+
+def test_a_recipe_value_of_the_wrong_type_is_refused(config_only_model, tmp_path):
+    """TrlParser hands YAML's non-string values to the config unconverted: before, a traceback after the model loaded."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {config_only_model}\nenv_name: tiny\npreset: gigpo\nlearning_rate: [1.0e-6, 2.0e-6]\n")
+    proc = subprocess.run([sys.executable, "train.py", "--config", str(recipe), "--output_dir", str(tmp_path / "out")],
+                          cwd=ROOT, env=BASE_ENV, capture_output=True, text=True, timeout=300)
+    assert_refused(proc, "learning_rate: [1e-06, 2e-06]", "a list, for a single number", str(recipe))
 
 
 def closed_port() -> int:

@@ -143,6 +143,35 @@ def test_recipe_holds_the_papers_setting(recipe):
     assert value(parsed, "output_dir") == f"outputs/{recipe.stem}"
 
 
+def test_every_env_and_size_of_the_bipace_paper_has_a_bipace_q_recipe():
+    """arXiv 2606.25556 reports BiPACE_Q on ALFWorld and TextCraft at 1.5B and 7B, and on WebShop at 7B (1.5B: the
+    other papers' WebShop rows): a recipe for each, with the paper's clustering (`CLUSTERING`)."""
+    names = {recipe.stem for recipe in RECIPES}
+    for env in ("alfworld", "textcraft", "webshop"):
+        for size in ("1.5b", "7b"):
+            assert f"{env}_qwen2.5-{size}_bipace_q" in names, (env, size)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_a_recipes_success_rate_is_the_papers_validation_success(recipe):
+    """What `evaluate_policy` plays and reports for the recipe: the whole validation split, one episode per task,
+    the training turn budget, temperature 0.4; its success rate is the share of won episodes over all of them
+    (not a mean of per-type rates), and WebShop's reported score is the mean over every episode, 0 without a
+    purchase (the papers' "score" is 100 × it)."""
+    from bipace_trainer.run.evaluation import evaluation_settings, summarise_evaluation
+
+    env = recipe.stem.split("_")[0]
+    args = next(a for a in parse(["--config", str(recipe), "--use_cpu", "true"]) if hasattr(a, "estimator"))
+    played = evaluation_settings(args)
+    assert (played["tasks"], played["episodes_per_task"], played["temperature"]) == (0, 1, 0.4)
+    assert played["max_turns"] == args.max_turns and args.eval_split == EVAL_SPLIT[env]
+    records = [{"won": won, "length": 3, "failed": False, "task_type": kind, "score": score}
+               for won, kind, score in [(True, "a", 1.0), (False, "a", 0.5), (False, "a", 0.0), (True, "b", 1.0)]]
+    summary = summarise_evaluation(records, "task_type")
+    assert summary["success_rate"] == 0.5 and summary["per_type"] == {"task_type=a": 1 / 3, "task_type=b": 1.0}
+    assert summary["score"] == pytest.approx(0.625)
+
+
 def test_flags_override_a_recipe():
     parsed = parse(["--config", str(RECIPES[0]), "--use_cpu", "true", "--use_peft", "true", "--lora_r", "8",
                     "--report_to", "none"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -61,7 +62,8 @@ def run_dir(tmp_path):
     step1 = [  # cell 5 holds episode 0 turn 0, episode 1 turn 0 and episode 2 turn 1; cell 9 only episode 0 turn 1
         _episode(0, True, "a", [_turn(0, "left", 0.9, 0.8, 5, gae=GAE_SHARED, levels=LEVELS),
                                 _turn(1, "go", 1.0, 0.4, 9, gae_delta=0.25)]),
-        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE, levels=LEVELS_HOSTILE)]),
+        _episode(1, False, "b", [_turn(0, "right", 0.0, -0.6, 5, gae=HOSTILE, levels=LEVELS_HOSTILE)],
+                 final_observation=f"the end {HOSTILE}"),
         _episode(2, False, "a", [_turn(0, "up", 0.0, 0.0, 7, "singleton", gae=GAE_ALONE),
                                  _turn(1, "left", 0.0, -0.2, 5, levels=HOSTILE)]),
     ]
@@ -83,6 +85,8 @@ def test_the_page_holds_every_episode_escaped_with_cells_and_offline(run_dir):
     page = report.build_report(run_dir, report_key="task_type")
     assert HOSTILE not in page and "<img src=x" not in page and "window.__pwned=2</script>" not in page
     assert page.count('<details class="episode"') == 4
+    # what the env returned after the last action, escaped, for the one episode whose dump has it
+    assert page.count('<p class="end">') == 1 and f"the end {report.escape_text(HOSTILE)}</pre></p>" in page
     # no resource is fetched: no <script src>, <link>, <img> or CSS url() anywhere in the page
     assert not re.search(r"<script[^>]*\ssrc=|<link\b|<img\b|url\(https?:", page)
     assert "Plotly.newPlot" in page and page.count("<script") >= 3  # plotly inlined, then the figures and our code
@@ -160,26 +164,30 @@ def test_an_empty_run_still_gets_a_page(tmp_path):
 def test_train_py_ends_with_the_report_and_a_failing_page_only_warns(run_dir, capsys):
     from types import SimpleNamespace
 
-    from bipace_trainer.cli import train
+    from bipace_trainer.cli import run_end
 
     saved = []
+
+    def save_to_json(path):
+        saved.append(path)
+        Path(path).write_text(json.dumps({"log_history": report.load_log_history(run_dir)}))
+
     trainer = SimpleNamespace(
         accelerator=SimpleNamespace(is_main_process=True), args=SimpleNamespace(output_dir=str(run_dir)),
-        state=SimpleNamespace(log_history=report.load_log_history(run_dir)), eval_history=report.load_eval_history(run_dir),
-        collector=SimpleNamespace(source=SimpleNamespace(report_key="task_type")), save_state=lambda: saved.append(True),
+        state=SimpleNamespace(log_history=report.load_log_history(run_dir), save_to_json=save_to_json),
+        eval_history=report.load_eval_history(run_dir), collector=SimpleNamespace(source=SimpleNamespace(report_key="task_type")),
     )  # fmt: skip
-    path = train.write_run_report(trainer, "a title")
-    assert path == str(run_dir / report.REPORT_FILE) and saved == [True]
-    assert "<title>a title</title>" in (run_dir / report.REPORT_FILE).read_text()
+    run = run_end.RunDescription("m", "tiny", "grpo", str(run_dir))
+    path = run_end.write_run_report(trainer, run)
+    assert path == str(run_dir / report.REPORT_FILE) and len(saved) == 1 and (run_dir / "trainer_state.json").is_file()
+    assert "<title>m on tiny, grpo</title>" in (run_dir / report.REPORT_FILE).read_text()
 
-    def broken():
+    def broken(path):
         raise OSError("disk full")
 
-    trainer.save_state = broken
-    assert train.write_run_report(trainer, "t") is None
+    trainer.state.save_to_json = broken
+    assert run_end.write_run_report(trainer, run) is None
     assert "the report could not be written (OSError: disk full)" in capsys.readouterr().out
-    trainer.accelerator.is_main_process = False
-    assert train.write_run_report(trainer, "t") is None  # other ranks write nothing
 
 
 # Bidirectional controls: U+202E shows the rest of its line reversed, U+2066-2069 and the marks reorder too.
@@ -267,3 +275,22 @@ def test_before_and_final_have_their_own_markers_and_overlapping_intervals_are_s
     finally:
         plt.Axes.errorbar = original
     assert len(set(drawn)) == 2 and (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_the_learning_curves_legend_is_off_the_data(tmp_path, monkeypatch):
+    """Inside the axes (upper left) it covered the evaluation before training, at step 0."""
+    import matplotlib.pyplot as plt
+
+    from bipace_trainer.reports.run_summary import plot_learning_curve
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    log = [{"step": s, "episode/success_rate": r, "loss": 0.1 * s} for s, r in ((1, 0.375), (2, 0.5), (3, 1.0))]
+    plot_learning_curve(report.learning_curve(log), tmp_path / "curve.png", _evaluations(3, 4), "a title")
+    (figure,) = figures
+    figure.canvas.draw()
+    legends = figure.legends + [axes.get_legend() for axes in figure.axes if axes.get_legend() is not None]
+    assert len(legends) == 1
+    box = legends[0].get_window_extent()
+    assert not any(box.overlaps(axes.get_window_extent()) for axes in figure.axes)
+    close(figure)

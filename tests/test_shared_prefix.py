@@ -4,6 +4,7 @@ forwarding fewer tokens. The reference is TRL's own `_get_per_token_logps_and_en
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from bipace_trainer.rollout.prompting import fit_prompt_ids
+from bipace_trainer import packed_attention
 from bipace_trainer.shared_prefix import group_rows, packed_logps, plan_layout
 
 PAD = 0
@@ -76,7 +78,9 @@ def plain(model, input_ids, attention_mask, keep, batch_size=None):
     )[:2]
 
 
-def shared(model, input_ids, attention_mask, keep, kind="bool"):
+def shared(model, input_ids, attention_mask, keep, kind="segments"):
+    """The packed forward: segment attention (SDPA models; call inside `routed()`, the backward too) or
+    eager's additive mask."""
     plan = plan_layout(input_ids, attention_mask, keep)
     logps, entropies = packed_logps(model, plan, kind, torch.float32, True, _TRL().accelerator.autocast)
     return logps, entropies, plan
@@ -87,7 +91,7 @@ def _loss(logps, entropies, attention_mask, keep):
     return (logps * weights).sum() + 0.3 * (entropies * attention_mask[:, -keep:]).sum()
 
 
-def assert_same(model, prompts, completions, masked=frozenset(), kind="bool", fewer=True):
+def assert_same(model, prompts, completions, masked=frozenset(), kind="segments", fewer=True):
     """Log-probs, entropies and the gradients of a loss over both equal the plain path's."""
     input_ids, attention_mask, keep = layout(prompts, completions, masked)
     model.zero_grad(set_to_none=True)
@@ -95,8 +99,9 @@ def assert_same(model, prompts, completions, masked=frozenset(), kind="bool", fe
     _loss(expected_lp, expected_ent, attention_mask, keep).backward()
     expected_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    got_lp, got_ent, plan = shared(model, input_ids, attention_mask, keep, kind)
-    _loss(got_lp, got_ent, attention_mask, keep).backward()
+    with packed_attention.routed():  # gradient checkpointing's replay runs in the backward
+        got_lp, got_ent, plan = shared(model, input_ids, attention_mask, keep, kind)
+        _loss(got_lp, got_ent, attention_mask, keep).backward()
     got_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     torch.testing.assert_close(got_lp, expected_lp, rtol=RTOL, atol=ATOL)
@@ -306,10 +311,12 @@ def _micro_batch(seed: int = 9):
 
 
 def _step(trainer, inputs):
+    """One micro-batch's loss and backward, as `training_step` runs them inside `train` (its scope)."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(model, inputs)
-    trainer.accelerator.backward(loss)
+    with trainer.shared_prefix.scope() if trainer.shared_prefix is not None else contextlib.nullcontext():
+        loss = trainer.compute_loss(model, inputs)
+        trainer.accelerator.backward(loss)
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -339,9 +346,11 @@ def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
     for shared in (True, False):
         lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
         trainer = _trainer(tmp_path, shared, beta=0.04, per_device_train_batch_size=2, peft_config=lora)
-        out, _ = reference_logps(trainer.batch_spec, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                                 inputs["completion_mask"], force_old=True)
+        with trainer.shared_prefix.scope() if shared else contextlib.nullcontext():
+            out, _ = reference_logps(trainer.batch_spec, inputs["prompt_ids"], inputs["prompt_mask"],
+                                     inputs["completion_ids"], inputs["completion_mask"], force_old=True)
         values.append(out)
+        assert not shared or trainer.shared_prefix.stats["packed_forwards"] >= 2  # the old and the reference pass
     assert values[0].keys() == values[1].keys() == {"old_per_token_logps", "ref_per_token_logps"}
     for key in values[1]:
         torch.testing.assert_close(values[0][key], values[1][key], rtol=RTOL, atol=ATOL)
@@ -357,7 +366,7 @@ def _causal_only(module, query, key, value, attention_mask, **kwargs):
 def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(tmp_path, caplog):
     from transformers import AttentionInterface
 
-    from bipace_trainer.shared_prefix import SharedPrefixForward
+    from bipace_trainer.shared_prefix import ModelShape, SharedPrefixForward
     from tests.trainer.tiny_setup import make_model, make_tokenizer
 
     AttentionInterface.register("causal_only", _causal_only)
@@ -370,7 +379,7 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
     assert trainer.shared_prefix is None and "takes no custom mask" in caplog.text  # off, said once
     off_loss, off_grad = _step(trainer, inputs)
 
-    trainer.shared_prefix = SharedPrefixForward(trainer, "bool")  # as if the model claimed SDPA
+    trainer.shared_prefix = SharedPrefixForward(trainer, "additive", ModelShape.of(model))  # as if it were eager
     caplog.clear()
     with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
         _step(trainer, inputs)
@@ -380,3 +389,90 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
     assert loss == pytest.approx(off_loss, rel=1e-6)
     for name in off_grad:
         torch.testing.assert_close(grad[name], off_grad[name], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- the cost model
+
+
+def test_a_models_shape_counts_what_a_token_passes_through():
+    from bipace_trainer.shared_prefix import ModelShape
+
+    model = tiny_model()  # hidden 32, 2 layers, 4 heads of 8, intermediate 64, float32
+    shape = ModelShape.of(model)
+    layers = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
+    assert shape.token_flops == 2 * layers  # the (tied) embedding and LM head are not per-token matmuls here
+    assert shape.pair_flops == 4 * 4 * 8 * 2
+    assert shape.token_bytes == 4 * 2 * (4 * 32 + 3 * 64) and shape.heads == 4
+
+
+def test_the_plain_paths_cost_on_a_hand_made_case():
+    from bipace_trainer.shared_prefix import Cost, plain_cost
+
+    # two rows of 3 and 5 real tokens, padded to 5, forwarded together: a padding mask, the whole squares
+    assert plain_cost([3, 5], 5, 2, "segments", heads=4) == Cost(10, 2 * 25, 10, 2 * 25)
+    assert plain_cost([5, 5], 5, 2, "segments", heads=4) == Cost(10, 2 * 15, 10, 0)  # no padding: fused causal
+    # eager: every row's full square of scores (and their softmax), per head, and the additive mask
+    assert plain_cost([3, 5], 5, 1, "additive", heads=4) == Cost(10, 50, 5, 25 * (4 + 8 * 4))
+
+
+def test_packing_is_chosen_where_it_saves_and_refused_where_it_would_lose():
+    from bipace_trainer.shared_prefix import ModelShape, packed_cost, plain_cost, plan_rows, worth_packing
+
+    shape = ModelShape(token_flops=1000.0, pair_flops=10.0, token_bytes=10_000.0, heads=2)
+
+    def decide(sequences, prompt_lengths, attention):
+        plan = plan_rows(sequences, prompt_lengths, 4, "cpu")
+        width = max(prompt_lengths) + max(len(s) - p for s, p in zip(sequences, prompt_lengths))
+        plain = plain_cost([len(s) for s in sequences], width, len(sequences), attention, shape.heads)
+        return worth_packing(packed_cost(plan, attention, shape.heads), plain, shape)
+
+    rng = random.Random(12)
+    task = _tokens(rng, 300)
+    group = [task + _tokens(rng, 20) + _tokens(rng, 4) for _ in range(4)]  # a long shared task prompt
+    assert decide(group, [320] * 4, "segments") and decide(group, [320] * 4, "additive")
+    strangers = [_tokens(rng, 40) for _ in range(4)]  # nothing shared: packing saves nothing
+    assert not decide(strangers, [36] * 4, "segments")
+    # a short shared text before long rows of their own, all of one length: 7 % fewer tokens, but the suffix
+    # batch computes each suffix's whole rectangle where the unpadded plain rows take SDPA's causal kernel
+    apart = [task[:30] + _tokens(rng, 400) for _ in range(4)]
+    assert not decide(apart, [426] * 4, "segments") and not decide(apart, [426] * 4, "additive")
+    # a shared task and replies of their own: segment attention forwards the rows' own pairs, while eager's
+    # packed row of 300 + 4 × 200 tokens would compute (and hold) its whole square
+    replies = [task + _tokens(rng, 200) for _ in range(4)]
+    assert decide(replies, [304] * 4, "segments") and not decide(replies, [304] * 4, "additive")
+
+
+def test_the_first_use_check_forwards_no_more_rows_than_a_plain_forward(tmp_path, monkeypatch):
+    """The check runs TRL's plain forward without gradients on the rows of the first packed forward: at most
+    `per_device_train_batch_size` of them, within the plain path's own memory."""
+    seen = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, input_ids, *args, **kwargs):
+        seen.append((self.accelerator.unwrap_model(model).training, input_ids.size(0)))
+        return original(self, model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
+    inputs = _micro_batch()
+    assert inputs["prompt_ids"].size(0) > 6
+    _step(trainer, inputs)
+    assert trainer.shared_prefix.checked and trainer.shared_prefix.enabled
+    checks = [rows for training, rows in seen if not training]
+    assert checks and max(checks) <= 2
+
+
+def test_pieces_are_cut_for_packing_only_where_the_packed_forward_will_run(tmp_path):
+    """A piece cut in token order holds more rows than a plain piece, so it must be packed: outside the
+    forward's scope (SDPA attention not routed) the update keeps the plain pieces."""
+    from bipace_trainer.micro_batches import length_order
+
+    trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
+    inputs = _micro_batch()
+    forward, plain = trainer.shared_prefix, length_order(inputs, 2)
+    assert forward.pieces(inputs, plain) is None  # not checked yet: the first update keeps the plain pieces
+    _step(trainer, inputs)
+    assert forward.checked and forward.pieces(inputs, plain) is None  # outside `scope()`
+    with forward.scope():
+        runs = forward.pieces(inputs, plain)
+    assert runs is not None and len(runs) < len(plain) and sorted(r for run in runs for r in run) == list(range(14))

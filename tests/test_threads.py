@@ -46,6 +46,17 @@ def test_a_users_omp_variables_win(given):
     assert all(f"{name}={value}" in line for name, value in given.items()) and "nothing changed" in line
 
 
+@pytest.mark.parametrize("value", ["0", "abc", "-3"])
+def test_an_invalid_omp_num_threads_is_named_as_invalid_and_the_default_setup_is_used(value):
+    """libgomp ignores such a value and runs its default, spinning threads: before, the first line called it
+    the user's choice and set nothing."""
+    policy, line, gomp = probe(OMP_NUM_THREADS=value, OMP_DISPLAY_ENV="VERBOSE")
+    # libgomp shows PASSIVE for an unset policy too; its spin count tells: 300000 spins unset, 0 under PASSIVE
+    assert policy == "PASSIVE" and "GOMP_SPINCOUNT = '0'" in gomp and "Invalid value" not in gomp, gomp[-2000:]
+    assert line.startswith(f"threads: OMP_NUM_THREADS={value!r} is invalid (libgomp ignores it), so it is not used; ")
+    assert "OMP_WAIT_POLICY=PASSIVE" in line and "from the environment says" not in line
+
+
 def test_an_empty_omp_num_threads_counts_as_unset():
     policy, line, _ = probe(OMP_NUM_THREADS="")
     assert policy == "PASSIVE" and "OMP_WAIT_POLICY=PASSIVE" in line

@@ -32,8 +32,10 @@ def make_rollout() -> Rollout:
         _step(1, 1, "at wall", "jump", 0.0, valid=False),
     ]
     episodes = [
-        Episode(0, 0, 7, {"type": "door"}, length=2, reward=1.0, won=True, task="open the door"),
-        Episode(1, 0, 7, {"type": "door"}, length=2, invalid_steps=1, truncated=True, task="open the door"),
+        Episode(0, 0, 7, {"type": "door"}, length=2, reward=1.0, won=True, task="open the door",
+                final_observation="The door opens.", final_anchor="door open"),
+        Episode(1, 0, 7, {"type": "door"}, length=2, invalid_steps=1, truncated=True, task="open the door",
+                final_observation="You stand at the start.", final_anchor="at start"),
     ]
     return Rollout(steps=steps, episodes=episodes, seconds={})
 
@@ -73,6 +75,16 @@ def test_episode_records_hold_turns_in_order(tmp_path):
     assert [t["turn"] for t in won["turns"]] == [0, 1] and won["turns"][1]["observation"] == "at door"
     assert lost["invalid_steps"] == 1 and lost["turns"][1]["valid"] is False
     assert set(trajectories.TURN_FIELDS) == set(won["turns"][0])
+    # what the env returned after each episode's last action
+    assert (won["final_observation"], lost["final_observation"]) == ("The door opens.", "You stand at the start.")
+
+
+def test_the_estimators_input_leads_each_last_step_to_its_episodes_end():
+    rollout = make_rollout()  # batch order: (0, 0), (1, 0), (0, 1), (1, 1)
+    assert rollout.next_anchors() == ["at door", "at wall", "door open", "at start"]
+    rollout.episodes[1].final_anchor = None  # an env fault: no state reached, a dead end of its own
+    batch = rollout.step_batch()
+    assert batch.next_anchor[3] == -1 and batch.anchor_text[int(batch.next_anchor[0])] == "at door"
 
 
 def test_write_jsonl_is_atomic(tmp_path):
@@ -139,6 +151,7 @@ def test_show_one_episode_and_summary_lines(tmp_path):
     text = out.getvalue()
     assert text.splitlines()[0] == "episode 1 | task 7 open the door | truncated | 2 turns | 1 invalid | reward 0.00"
     assert "at wall" in text and "at door" not in text and "\033[" not in text
+    assert "end You stand at the start." in " ".join(text.split())  # where the last action led
     out = io.StringIO()
     show.main([str(path), "--summary"], stream=out)
     assert out.getvalue().splitlines()[:2] == [

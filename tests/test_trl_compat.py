@@ -44,16 +44,46 @@ def test_a_library_outside_a_patch_range_warns_once_per_patch_naming_it():
     for name, warning in zip(outside, caught):
         assert f"patch {name!r} was written for trl>=1.16,<1.17, and trl 1.18.0 is installed" in str(warning.message)
     with pytest.warns(RuntimeWarning) as caught:
-        vllm = trl_compat.check_versions(lambda library: "0.32.0.dev1+cpu" if "vllm" in library else "1.16.2")
+        vllm = trl_compat.check_versions(
+            lambda library: "0.32.0.dev1+cpu" if "vllm" in library else "5.25.0" if "transformers" in library else "1.16.2")
     assert any("'wrap_llm_generate' was written for vllm>=0.10.2,<0.31.1, and vllm 0.32" in str(w.message) for w in caught)
     assert sorted(vllm) == sorted(n for n, p in trl_compat.PATCHES.items() if "vllm" in p.library)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert trl_compat.check_versions(lambda library: None) == []  # not installed: nothing to check
-        assert trl_compat.check_versions(lambda library: "0.31.0" if "vllm" in library else "1.16.0rc1") == []
+        assert trl_compat.check_versions(
+            lambda library: "0.31.0" if "vllm" in library else "5.25.1" if "transformers" in library else "1.16.0rc1") == []
+    with pytest.warns(RuntimeWarning, match="'routed_attention' was written for transformers>=5.25,<5.26"):
+        assert trl_compat.check_versions(lambda library: "5.30.0" if "transformers" in library else None) == [
+            "routed_attention"]
 
 
 # ---------------------------------------------------------------------- each patch, and its undo
+
+
+def test_routed_attention_routes_one_name_for_a_scope_and_puts_transformers_own_back():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen = []
+
+    def route(original):
+        def routed(*args, **kwargs):
+            seen.append(kwargs.pop("tag", None))
+            return original(*args, **kwargs)
+
+        return routed
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    with pytest.raises(RuntimeError, match="inside"):
+        with trl_compat.routed_attention("sdpa", route):
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
+            module = torch.nn.Module()
+            query = torch.randn(1, 2, 3, 4)
+            ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, query, query, None, tag="layout")
+            raise RuntimeError("an error inside the scope")
+    assert seen == ["layout"]
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # transformers' own, after an error too
 
 
 def test_rank_local_gather_gives_trl_its_gather_back_even_after_an_error():

@@ -148,7 +148,8 @@ def test_a_loaded_adapter_names_the_base_model_it_sits_on_now(tmp_path):
 @pytest.mark.slow
 def test_warm_start_then_rl_then_eval(raw_tiny_dir, tmp_path):
     """train.py's main-job path on the tiny setup: SFT on expert play makes the random policy act
-    (valid replies, some wins), every RL batch has non-zero advantages, the run evaluates after RL,
+    (valid replies, some wins), RL batches have non-zero advantages (or resample before skipping), the run
+    evaluates after RL,
     writes the curve, and the saved adapter starts a later run (--warm_start_from)."""
     run = tmp_path / "run"
     argv = [*TINY, *TINY_LORA, "--model_name_or_path", str(raw_tiny_dir), "--output_dir", str(run),
@@ -161,7 +162,11 @@ def test_warm_start_then_rl_then_eval(raw_tiny_dir, tmp_path):
     assert before["valid_action_rate"] >= 0.5 and before["successes"] > 0
     assert after is not None and after["step"] == 3 and after["episodes"] == before["episodes"] == 8
     assert [row["step"] for row in summary["curve"]] == [1, 2, 3]
-    assert all(row["skipped"] == 0.0 and row["advantage_std"] > 0 for row in summary["curve"])
+    curve = summary["curve"]
+    assert curve[0]["skipped"] == 0.0 and curve[0]["advantage_std"] > 0  # the warm start's play has signal
+    # a later batch may have none left (the policy wins every rollout of its goals): skipped only after its
+    # resampling (the main job's resample_without_signal = 2) found none either
+    assert all(row["advantage_std"] > 0 if row["skipped"] == 0.0 else row["resamples"] == 2.0 for row in curve)
     assert Path(summary["plot"]).stat().st_size > 10_000 and (tmp_path / "summary.json").is_file()
 
     # the saved warm start is the adapter RL started from: it loads, trainable, with the same weights
@@ -224,3 +229,25 @@ def test_main_job_eval_bench_plays_every_held_out_goal_the_asked_number_of_times
     assert [r["label"] for r in results] == ["adapter", "adapter-2"] and results[0]["per_seed"] == results[1]["per_seed"]
     written = json.loads((tmp_path / "eval" / "bipace_eval.json").read_text())
     assert written["paired"][0]["difference"] == 0.0 and written["protocol"]["seeds"] == [123, 456, 789]
+
+
+def test_the_fingerprint_of_a_large_embedding_stays_inside_it():
+    """SmolLM2-135M's embedding holds 49,152 × 576 = 28,311,552 values: float32 rounds the last of 64 evenly
+    spaced positions to 28,311,552, one past the end (every `--warm_start_steps` run of the embedded model
+    stopped there)."""
+    import torch
+
+    from bipace_trainer.run.warm_start import base_fingerprint
+
+    class Embedded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(49_152, 576)
+            with torch.no_grad():
+                self.embed.weight.view(-1)[-1] = 7.0  # the last value: the fingerprint's last entry
+
+        def get_input_embeddings(self):
+            return self.embed
+
+    fingerprint = base_fingerprint(Embedded())
+    assert len(fingerprint) == 64 and fingerprint[-1] == 7.0

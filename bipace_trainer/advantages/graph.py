@@ -16,11 +16,15 @@ rewards that followed it (docs/concepts/math.md#graph-return; the ideas: docs/co
                10 · γ^{d(u_{t+1}) - d(u_t) + 1}         (normalize_distance=True: distance closed)
 
 A trajectory succeeded when its episode return is > 0 (the reference's `episode_rewards > 0`);
-its last step reaches the goal. The last step of any other trajectory reached a state that
-no step was taken from: without `StepBatch.next_anchor` that state is a dead end of its own
-(no out-edge, so d = far + 1); with it (the env's final observation, recorded by the caller)
-it is that observation's node, as in the reference. The invalid-action penalty is
-subtracted after, as for the discounted return (`presets`).
+its last step reaches the goal. The last step of any other trajectory reached the state of the
+env's final observation (`StepBatch.next_anchor`, which the rollout records for every episode
+the env ended or the turn budget cut): that observation's node, as in the reference, so a loss
+that ends in a state other rollouts passed through takes that state's distance. Where nothing
+was recorded (an env fault; a batch without `next_anchor`) the state is a dead end of its own
+(no out-edge, so d = far + 1). Over hidden-state clusters the final observation has no hidden
+state (no prompt is built from it; capturing one would cost a forward pass): its node is the
+cluster of the group's first step whose anchor is that observation (`known_state_cells`), else
+a node of its own. The invalid-action penalty is subtracted after, as for the discounted return (`presets`).
 
 Everything is vectorised over the batch: the search runs level by level over all groups at
 once and touches each edge once, so its cost is linear in the number of steps (plus one sort).
@@ -35,7 +39,10 @@ import torch
 
 from .records import BatchLayout
 
-__all__ = ["GOAL_RETURN", "TransitionGraph", "transition_graph", "goal_distances", "graph_returns", "similar_labels"]
+__all__ = [
+    "GOAL_RETURN", "TransitionGraph", "transition_graph", "goal_distances", "graph_returns", "similar_labels",
+    "known_state_cells", "following_labels",
+]
 
 GOAL_RETURN = 10.0  # the reference's 10 · γ^d
 
@@ -82,24 +89,20 @@ def transition_graph(
         layout: the batch layout (trajectories, t, groups).
         success: (num_traj,) bool, the trajectory reached the goal with its last step.
         next_label: (N,) int64 label of the state each step reached, in the same numbering,
-            or None: the label of the next step of the trajectory (dead end after the last).
+            -1 where none was recorded (a dead end of the trajectory's own), or None: the label
+            of the next step of the trajectory (`following_labels`: a dead end after the last).
     Returns:
         `TransitionGraph`.
     """
     n = node_label.shape[0]
     num_groups, num_traj = layout.num_groups, layout.num_traj
-    num_states = int(max(int(node_label.max()) if n else -1, int(next_label.max()) if next_label is not None and n else -1)) + 1
+    if next_label is None:
+        next_label = following_labels(node_label, layout)
+    num_states = int(max(int(node_label.max()) if n else -1, int(next_label.max()) if n else -1)) + 1
     goal = num_states + torch.arange(num_groups)
     dead_end = num_states + num_groups + torch.arange(num_traj)
-    t = layout.grid_position - layout.traj_index * layout.max_length
-    last = t == layout.traj_length[layout.traj_index] - 1
-    if next_label is None:
-        grid = layout.to_grid(node_label, fill=-1).reshape(-1)
-        following = grid[(layout.grid_position + 1).clamp(max=grid.shape[0] - 1)]
-        next_node = torch.where(last, dead_end[layout.traj_index], following)
-    else:
-        next_node = next_label.clone()
-    won = last & success[layout.traj_index]
+    next_node = torch.where(next_label < 0, dead_end[layout.traj_index], next_label)
+    won = _is_last(layout) & success[layout.traj_index]
     next_node = torch.where(won, goal[layout.group_index], next_node)
     node_group = torch.zeros(num_states + num_groups + num_traj, dtype=torch.long)
     node_group[node_label] = layout.group_index
@@ -109,6 +112,49 @@ def transition_graph(
     distance = goal_distances(node_label, next_node, goal, node_group)
     reachable = torch.isfinite(distance)
     return TransitionGraph(node_label, next_node, node_group, num_states, _far_plus_one(distance, node_group, num_groups), reachable)
+
+
+def _is_last(layout: BatchLayout) -> torch.Tensor:
+    """(N,) bool: the step is its trajectory's last."""
+    t = layout.grid_position - layout.traj_index * layout.max_length
+    return t == layout.traj_length[layout.traj_index] - 1
+
+
+def following_labels(label: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    """(N,) the label of the next step of each step's trajectory, -1 after its last step."""
+    grid = layout.to_grid(label, fill=-1).reshape(-1)
+    following = grid[(layout.grid_position + 1).clamp(max=max(grid.shape[0] - 1, 0))]
+    return torch.where(_is_last(layout), -1, following)
+
+
+def known_state_cells(
+    cell: torch.Tensor, anchor: torch.Tensor, next_anchor: torch.Tensor, layout: BatchLayout
+) -> torch.Tensor:
+    """The cell of the state each step reached, by its anchor: the cell of the first step (in
+    (trajectory, t) order) of the same task group whose anchor is the step's `next_anchor`,
+    -1 where no step of the group has that anchor (or `next_anchor` is -1).
+
+    What a hidden-state graph uses after a trajectory's last step, whose final observation has
+    no hidden state of its own: an observation seen elsewhere in the group joins that step's
+    cluster; a new one is a node of its own that no step leaves (d = far + 1, as a dead end).
+
+    Args:
+        cell: (N,) int64 cell of each step; anchor, next_anchor: (N,) int64 anchor ids (one numbering).
+    Returns:
+        (N,) int64 cell ids, or -1.
+    """
+    n = cell.shape[0]
+    if not n:
+        return cell.clone()
+    width = int(max(int(anchor.max()), int(next_anchor.max()))) + 1
+    keys = torch.cat([anchor, next_anchor.clamp(min=0)]) + layout.group_index.repeat(2) * width  # (group, anchor)
+    _, compact = torch.unique(keys, return_inverse=True)
+    grid_size = layout.num_traj * layout.max_length
+    first = torch.full((int(compact.max()) + 1,), grid_size, dtype=torch.long)  # grid_size: no step has it
+    first.scatter_reduce_(0, compact[:n], layout.grid_position, reduce="amin")
+    owner = torch.full((grid_size + 1,), -1, dtype=torch.long)
+    owner[layout.grid_position] = cell
+    return torch.where(next_anchor >= 0, owner[first[compact[n:]]], -1)
 
 
 def goal_distances(source: torch.Tensor, target: torch.Tensor, goal: torch.Tensor, num_nodes_or_group) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, GaeTerms, LevelDetail
-from .graph import TransitionGraph, graph_returns, similar_labels, transition_graph
+from .graph import TransitionGraph, following_labels, graph_returns, known_state_cells, similar_labels, transition_graph
 from .milestones import milestone_returns, with_plan_flags
 from .partition import (
     PARTITIONS,
@@ -613,12 +613,20 @@ def _returns(settings, batch, layout, partition):
 
 def _graph(settings, batch, layout, partition) -> TransitionGraph:
     """The groups' state graphs: nodes are the base cells, or (hash with `next_anchor` or the
-    similarity merge) the anchors themselves, merged by text similarity when asked."""
+    similarity merge) the anchors themselves, merged by text similarity when asked. Over other
+    cells (hidden clusters) a last step's recorded end joins a cell by its anchor (`known_state_cells`)."""
     base = partition.levels[0] if isinstance(partition, LevelledPartition) else partition
     success = episode_returns(batch.reward, layout) > 0
     use_anchors = settings.step_partition == "hash" and (batch.next_anchor is not None or settings.similarity_merge)
     if not use_anchors:
-        return transition_graph(base.cell, layout, success)
+        if batch.next_anchor is None or batch.anchor is None:
+            return transition_graph(base.cell, layout, success)
+        following = following_labels(base.cell, layout)
+        ends = known_state_cells(base.cell, batch.anchor, batch.next_anchor, layout)
+        # a recorded end no step of the group saw: a state of the trajectory's own, which no step leaves
+        fresh = torch.where(batch.next_anchor >= 0, int(base.cell.max()) + 1 + layout.traj_index, -1)
+        ends = torch.where(ends >= 0, ends, fresh)
+        return transition_graph(base.cell, layout, success, torch.where(following >= 0, following, ends))
     label, next_label = batch.anchor, batch.next_anchor
     if settings.similarity_merge:
         if batch.anchor_text is None:
@@ -626,12 +634,12 @@ def _graph(settings, batch, layout, partition) -> TransitionGraph:
         won = success[layout.traj_index] & (layout.grid_position == _last_position(layout))
         masked = None if next_label is None else torch.where(won, -1, next_label)
         label, next_label = similar_labels(label, batch.anchor_text, layout, settings.similarity_threshold, masked)
+    if next_label is None:
+        return transition_graph(Partition.from_labels(layout.group_index, label).cell, layout, success)
     n = label.shape[0]
-    both = Partition.from_labels(
-        torch.cat([layout.group_index] * (2 if next_label is not None else 1)),
-        torch.cat([label, next_label.clamp(min=0)]) if next_label is not None else label,
-    ).cell
-    return transition_graph(both[:n], layout, success, both[n:] if next_label is not None else None)
+    unrecorded = next_label < 0  # a dead end (or, merged, the goal: `transition_graph` puts wins there)
+    both = Partition.from_labels(layout.group_index.repeat(2), torch.cat([label, torch.where(unrecorded, label, next_label)])).cell
+    return transition_graph(both[:n], layout, success, torch.where(unrecorded, -1, both[n:]))
 
 
 def _last_position(layout) -> torch.Tensor:
@@ -642,7 +650,8 @@ def _last_position(layout) -> torch.Tensor:
 def graph_diagnostics(graph: TransitionGraph, layout: BatchLayout) -> dict[str, float]:
     """Per batch: nodes and distinct edges per task group (means), the fraction of steps whose
     reached state can reach the goal, their mean distance, the fraction of steps alone on
-    their node, and the fraction of groups with no success (every d = 1 there)."""
+    their node, the fraction of groups with no success (every d = 1 there), and how the
+    trajectories that did not reach the goal ended (`_end_counts`)."""
     n, num_groups = graph.node.shape[0], max(layout.num_groups, 1)
     if not n:
         return {}
@@ -661,6 +670,23 @@ def graph_diagnostics(graph: TransitionGraph, layout: BatchLayout) -> dict[str, 
         "graph/mean_distance": float(graph.distance[graph.next_node][reach].mean()) if bool(reach.any()) else 0.0,
         "graph/singleton_rate": float((visits[graph.node] == 1).to(torch.float64).mean()),
         "graph/no_goal_frac": 1.0 - float(goal_reached.to(torch.float64).mean()),
+        **_end_counts(graph, layout, visits),
+    }
+
+
+def _end_counts(graph: TransitionGraph, layout: BatchLayout, visits: torch.Tensor) -> dict[str, float]:
+    """Last steps that did not reach the goal, counted: `graph/failed_ends` (the env's final state
+    was recorded), `graph/failed_ends_known` (of those, a state some step of the group was taken from:
+    where the reference's graph and a dead-end rule differ) and `graph/dead_ends` (nothing recorded:
+    an env fault, or a batch without `StepBatch.next_anchor`)."""
+    last = layout.grid_position == _last_position(layout)
+    reached = graph.next_node[last]
+    dead = reached >= graph.num_state_nodes + layout.num_groups
+    failed = (reached < graph.num_state_nodes) & ~dead
+    return {
+        "graph/failed_ends": float(failed.sum()),
+        "graph/failed_ends_known": float((failed & (visits[reached] > 0)).sum()),
+        "graph/dead_ends": float(dead.sum()),
     }
 
 

@@ -15,8 +15,9 @@ flat, one row per step, in any order:
     truncated (N,) bool   the turn budget ended the trajectory after this step (its
                           last step only): cut, not terminated by the env
     next_anchor (N,) int64 optional: id of the observation the step led to, in the
-                          anchors' numbering (the graph return reads it; without it the
-                          next step's anchor, and a dead end after a failed last step)
+                          anchors' numbering; -1 (None among texts): none was recorded
+                          (an env fault), a dead end. The graph return reads it; without
+                          it, the next step's anchor, and a dead end after a failed last step
     milestone (N,) bool   optional: the step reached a milestone, as the env flagged it
                           (the `segment` partition and the milestone return read it)
     milestone_plan (N,) int64 optional: the step's task's ordered milestone actions, as
@@ -227,22 +228,37 @@ class StepBatch:
         return self.group.shape[0]
 
     def _anchor_ids(self, n: int) -> None:
-        """Anchors (and next anchors) as ids; texts factorised in one table, kept in `anchor_text`."""
+        """Anchors (and next anchors) as ids; texts factorised in one table, kept in `anchor_text`.
+        A next anchor of None (-1 among ids) is a state nobody recorded: a dead end. Next anchors
+        given as values beside anchors already made ids (a `dataclasses.replace` of a batch) are
+        numbered in the same table."""
         values = self.anchor if isinstance(self.anchor, torch.Tensor) else list(self.anchor)
-        nexts = self.next_anchor
-        if nexts is not None and not isinstance(nexts, torch.Tensor):
-            nexts = list(nexts)
         texts = not isinstance(values, torch.Tensor) and values and not isinstance(values[0], int)
-        if not texts:
+        if texts:
+            table: dict = {}
+            self.anchor = _as_long("anchor", [table.setdefault(v, len(table)) for v in values], n)
+        else:
             self.anchor = _as_long("anchor", values, n)
-            if nexts is not None:
-                self.next_anchor = _as_long("next_anchor", nexts, n)
-            return
-        table: dict = {}
-        self.anchor = _as_long("anchor", [table.setdefault(v, len(table)) for v in values], n)
-        if nexts is not None:
-            self.next_anchor = _as_long("next_anchor", [table.setdefault(v, len(table)) for v in nexts], n)
-        self.anchor_text = tuple(table)
+            table = {value: i for i, value in enumerate(self.anchor_text)} if self.anchor_text is not None else None
+        if self.next_anchor is not None:
+            self.next_anchor = self._next_ids(self.next_anchor, table, n)
+        if table is not None:
+            self.anchor_text = tuple(table)
+
+    def _next_ids(self, nexts, table: dict | None, n: int) -> torch.Tensor:
+        """`next_anchor` as ids in the anchors' numbering (`table`: value -> id, None when the anchors
+        came as ids), -1 for None."""
+        if isinstance(nexts, torch.Tensor) or table is None:
+            if not isinstance(nexts, torch.Tensor):
+                nexts = [-1 if v is None else v for v in nexts]
+                if any(not isinstance(v, int) for v in nexts):
+                    raise ValueError("StepBatch.next_anchor holds values, but StepBatch.anchor came as ids: give both as ids.")
+            ids = _as_long("next_anchor", nexts, n)
+        else:
+            ids = _as_long("next_anchor", [-1 if v is None else table.setdefault(v, len(table)) for v in nexts], n)
+        if bool((ids < -1).any()):
+            raise ValueError("StepBatch.next_anchor holds ids below -1; use -1 (or None) for a state nobody recorded.")
+        return ids
 
 
 @dataclass

@@ -6,8 +6,8 @@ trajectories or steps.
 Trajectory ends. A trajectory ends because the env ended it (terminated: success or
 failure, nothing follows, R_L = 0) or because the turn budget ran out (truncated,
 `StepBatch.truncated`: the task went on, and its value after the cut is unknown).
-GiGPO's returns treat both as terminal; that stays the default, so `gigpo` reproduces
-its reference. With `bootstrap_truncated` the estimator tells them apart, as rlax and
+GiGPO's returns treat both as terminal; that stays the default, so `gigpo` computes
+its reference's returns. With `bootstrap_truncated` the estimator tells them apart, as rlax and
 torchrl separate the end of a trajectory from the end of an episode:
 
     R_t = r_t + γ R_{t+1},   R_L = 0                   terminated

@@ -35,7 +35,9 @@ process, so each chunk's seed drives its sampling too (a resumed chunk replays e
 with vLLM's CPU build by tests/vllm/test_vllm_engine.py); a server samples with its own RNG.
 Each model and its engine are freed before the next model's are built.
 
-Results: success rate (and WebShop's score) overall and per task type, each with its 95% Wilson
+Results go into `--output_dir`: by default a run's own folder, `<run>/bipace_eval/`, when a model is
+a run's output dir or a checkpoint in one (so `bipace-report RUN_DIR` shows them next to the run's
+evaluations), else `outputs/bipace_eval`. Success rate (and WebShop's score) overall and per task type, each with its 95% Wilson
 interval over the episodes of all seeds and its spread over seeds (mean ± sd of the per-seed
 rates); with two models, the paired difference on the same (task, seed) episodes with a 95%
 interval (normal approximation over tasks, each task's difference averaged over its seeds and
@@ -72,6 +74,8 @@ __all__ = [
 ]
 
 RESULT_FILE = "bipace_eval.json"
+DEFAULT_OUTPUT_DIR = "outputs/bipace_eval"  # for a model that is not a run's (a Hub id, an adapter elsewhere)
+RUN_EVAL_DIR = "bipace_eval"  # inside a run's output dir: where `bipace-report` looks for these results
 MARKDOWN_FILE = "bipace_eval.md"
 EPISODES_FILE = "episodes.jsonl"
 Z95 = 1.959963984540054
@@ -135,6 +139,19 @@ def run_settings(specs: Sequence[str]) -> tuple[dict[str, Any], str]:
             if found:
                 return found, str(source)
     return {}, ""
+
+
+def run_folder(specs: Sequence[str]) -> Path | None:
+    """The output dir of the first of `specs` that is a run's (train.py's record or evaluations in it, or
+    its checkpoints), or a checkpoint in one; None when none is."""
+    from ..run.run_dir import RUN_FILE
+
+    for spec in specs:
+        path = Path(spec)
+        run = path.parent if path.name.startswith("checkpoint-") else path
+        if run.is_dir() and ((run / RUN_FILE).is_file() or (run / "eval_results.json").is_file() or _newest_checkpoint(run)):
+            return run
+    return None
 
 
 def _saved_settings(source: Path) -> dict[str, Any]:
@@ -262,6 +279,7 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
         trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
+        bf16=False,  # nothing is trained: no mixed precision (GRPOConfig's default refuses a CPU without use_cpu)
         model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
     )  # fmt: skip
     if settings.use_vllm:
@@ -658,7 +676,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--episodes_per_task", type=int, help="episodes per task and seed (default: the run's, else 1)")
     parser.add_argument("--chunk_size", type=int, default=64, help="episodes played (and saved) together")
     parser.add_argument("--base_model", help="base model of a LoRA adapter (default: the adapter's own record)")
-    parser.add_argument("--output_dir", default="outputs/bipace_eval", help="where results and episodes go")
+    parser.add_argument("--output_dir", help="where results and episodes go (default: RUN/bipace_eval for a run's "
+                        f"output dir or checkpoint, else {DEFAULT_OUTPUT_DIR})")
     parser.add_argument("--rollout_batch_size", type=int, default=0, help="prompts per generate call (0: all active)")
     parser.add_argument("--use_vllm", action="store_true", help="generate with vLLM (TRL's; pip install 'trl[vllm]')")
     parser.add_argument("--vllm_mode", choices=("colocate", "server"),
@@ -702,6 +721,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(settings, name) is None:
             setattr(settings, name, value)
     settings.protocol_source = f"the run's own evaluation settings ({where})" if taken else protocol.source
+    if settings.output_dir is None:
+        run = run_folder(settings.models)
+        settings.output_dir = str(run / RUN_EVAL_DIR) if run is not None else DEFAULT_OUTPUT_DIR
     vllm_flags = [f"--{name}" for name in VLLM_FLAGS if getattr(settings, name) is not None]
     if vllm_flags and not settings.use_vllm:
         parser.error(f"{', '.join(vllm_flags)}: vLLM settings without --use_vllm; add --use_vllm or drop them.")
@@ -737,6 +759,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if os.environ.get("RANK", "0") == "0" and not {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        from . import threads
+
+        print(threads.describe(), flush=True)  # first, as train.py's: how torch's threads wait on shared cores
     settings = parse_args(argv)
     if settings.protocol_source.startswith("the run's"):  # say what is played, and that flags change it
         print(f"settings from {settings.protocol_source[4:]}: env {settings.env}, split {' '.join(settings.split)}, "

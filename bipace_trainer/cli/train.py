@@ -24,17 +24,23 @@ import importlib.util
 import json
 import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-# TRL's GRPOConfig sets gradient_checkpointing, a name transformers 5 deprecates: a warning on every
-# run that no flag of ours can silence, printed above a config error's one line.
-warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+# TRL 1.16 sets and calls gradient checkpointing by the names transformers 5 deprecates (GRPOConfig's
+# `gradient_checkpointing`, and `is_gradient_checkpointing`, `gradient_checkpointing_disable` / `_enable` around
+# every generation): warnings on every run that no flag of ours can silence, one above a config error's one line.
+warnings.filterwarnings(
+    "ignore", message=r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated", category=FutureWarning
+)
+# DeepSpeed's ZeRO gathers through a torch.distributed name torch 2.13 deprecates: once per rank under
+# accelerate_config_cpu.yaml, nothing a user of train.py can change.
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+)
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -52,11 +58,11 @@ from bipace_trainer.cli import preflight, threads  # noqa: E402
 from bipace_trainer.cli.preflight import ConfigError  # noqa: E402  (train.ConfigError, as before)
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
-from bipace_trainer.reports.report import write_report  # noqa: E402
-from bipace_trainer.reports.run_summary import (  # noqa: E402
-    CURVE_FILE, evaluation_summary, format_evaluation, learning_curve, plot_learning_curve,
+from bipace_trainer.cli import run_end  # noqa: E402
+from bipace_trainer.cli.run_end import EXIT_STOPPED  # noqa: E402  (train.EXIT_STOPPED, as before)
+from bipace_trainer.run.warm_start import (  # noqa: E402
+    WARM_START_DIR, WarmStartArguments, apply_warm_start, check_warm_start,
 )
-from bipace_trainer.run.warm_start import WarmStartArguments, apply_warm_start, check_warm_start  # noqa: E402
 
 # The main job's warm start: a LoRA adapter that `python -m bench.warm_start_adapter` rebuilds bit for bit
 # from the embedded model (`--warm_start_steps N` rebuilds one in the run instead).
@@ -102,8 +108,6 @@ MAIN_JOB_DEFAULTS = dict(
 MAIN_JOB_ENV_KWARGS = {"textcraft": {"max_expert_steps": 3}}
 
 
-# Exit code of a run stopped by SIGTERM before it finished (128 + SIGTERM, the shell's convention).
-EXIT_STOPPED = 143
 # Exit code of a run refused for a bad setting (argparse's, for any usage error).
 EXIT_USAGE = 2
 
@@ -279,26 +283,26 @@ def build_trainer(
     return trainer, warm_start
 
 
-def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> None:
-    """Before any weights load: the checkpoint a resume starts from (none yet: a fresh start,
-    said so), the output_dir's run (`run_dir.begin_run`: another run's checkpoints refused,
-    or removed with --overwrite_output_dir), the resumed run's settings against the
-    checkpoint's (a change of what the run is refused, others warned), and the TensorBoard
-    folder (a resumed run writes on in its run's: `build_trainer`)."""
+def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> int | None:
+    """Before any weights load: the folder (the main job's default one taken by an earlier run: the next
+    free name, `choose_output_dir`; a file or an unwritable place refused), what a resume does (`resume_plan`),
+    the output_dir's run (`run_dir.begin_run`: another run's files refused, or removed with
+    --overwrite_output_dir; the title recorded), the resumed run's settings against the checkpoint's (a
+    change of what the run is refused, others warned), and the TensorBoard folder (a resumed run writes on
+    in its run's: `build_trainer`). Returns the step a finished run ended at when this resume has nothing
+    to train (`run_end.complete_finished`), else None."""
+    choose_output_dir(script_args, training_args)
     output_dir = training_args.output_dir
-    resume = training_args.resume_from_checkpoint
-    script_args.resume_requested = bool(resume)
-    if resume is True:
-        found = run_dir.last_checkpoint(output_dir)
-        if found is None:
-            print(f"resume_from_checkpoint: no checkpoint in {output_dir} yet; starting from step 0.")
-        training_args.resume_from_checkpoint = str(found) if found else None
-    elif resume and not Path(resume).is_dir():
-        raise ConfigError(f"resume_from_checkpoint={resume!r} is not a folder; give a checkpoint-N folder, or true.")
+    preflight.check_output_dir(output_dir)
+    script_args.resume_requested = bool(training_args.resume_from_checkpoint)
     try:
+        finished_at, restart = resume_plan(training_args)
+        if finished_at is not None:
+            return finished_at
         run_dir.begin_run(
             output_dir, training_args.resume_from_checkpoint, script_args.overwrite_output_dir,
-            write=training_args.process_index == 0,
+            write=training_args.process_index == 0, restart=restart,
+            title=describe_run(script_args, training_args, model_args).title,
         )
     except run_dir.RunDirError as err:
         raise ConfigError(str(err)) from None
@@ -310,6 +314,58 @@ def prepare_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig
             raise ConfigError(" ".join(refusals))
         if changes:
             print(f"resuming {Path(checkpoint).name} with settings that differ from its run: {'; '.join(changes)}.")
+    return None
+
+
+def resume_plan(training_args: BiPACEConfig) -> tuple[int | None, bool]:
+    """(the step a finished run ended at, if this resume has nothing to train; whether the run starts over).
+
+    `--resume_from_checkpoint true` (or the folder's last checkpoint by path) of a run whose final
+    model is saved, as far as max_steps asks, trains nothing (`run_dir.finished`). Otherwise the
+    checkpoint to resume from is set on `training_args` (true: the folder's last); with none yet, the
+    run starts over from step 0 and says so (the earlier try's files go, `begin_run`'s `restart`),
+    unless the folder's run finished without a checkpoint and is asked to go further: refused."""
+    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    if not resume:
+        return None, False
+    if not isinstance(resume, bool):
+        preflight.check_checkpoint(resume)
+    last = run_dir.last_checkpoint(output_dir)
+    done = run_dir.finished(output_dir, training_args.max_steps, training_args.num_train_epochs)
+    if done is not None and (resume is True or (last is not None and Path(resume).resolve() == last.resolve())):
+        return done, False
+    if resume is not True:
+        return None, False
+    training_args.resume_from_checkpoint = str(last) if last else None
+    if last is not None:
+        return None, False
+    earlier = run_dir.finished_step(output_dir)
+    if earlier is not None:
+        raise run_dir.RunDirError(
+            f"the run in {output_dir} finished at step {earlier} and saved no checkpoint (save_strategy no), so it "
+            f"cannot train on to max_steps={training_args.max_steps}: start a new run with these settings in another "
+            "--output_dir (or --overwrite_output_dir true)."
+        )
+    restart = bool(run_dir.run_files(output_dir))
+    print(f"resume_from_checkpoint: no checkpoint in {output_dir} yet; starting from step 0"
+          + (" (the earlier try's files are removed)." if restart else "."))
+    return None, restart
+
+
+def choose_output_dir(script_args: ScriptArguments, training_args: BiPACEConfig) -> None:
+    """The main job (no --config) left at its default folder, which an earlier run holds, writes to the next
+    free name (`run_dir.free_folder`: `-2`, `-3`, ...), as tools that number their runs do, and says so;
+    a resume or --overwrite_output_dir keeps the folder, and any other folder is the user's choice (kept,
+    and refused by `begin_run` if it holds another run)."""
+    default = MAIN_JOB_DEFAULTS["output_dir"]
+    chosen = "output_dir" in (getattr(script_args, "explicit", None) or set()) or getattr(script_args, "recipe", None)
+    if chosen or training_args.output_dir != default or training_args.resume_from_checkpoint or script_args.overwrite_output_dir:
+        return
+    free = str(run_dir.free_folder(default))
+    if free != default:
+        training_args.output_dir = free
+        print(f"output_dir: {default} holds an earlier run, so this one writes to {free} (--output_dir chooses the "
+              f"folder; --resume_from_checkpoint true resumes the earlier run; --overwrite_output_dir true replaces it).")
 
 
 def push_model(trainer: BiPACETrainer) -> str | None:
@@ -327,102 +383,37 @@ def push_model(trainer: BiPACETrainer) -> str | None:
     return None
 
 
-def write_run_report(trainer: BiPACETrainer, title: str) -> str | None:
-    """`<output_dir>/trainer_state.json` (the log the report reads) and `<output_dir>/report.html`
-    (`bipace_trainer.reports.report`), by the main process; None elsewhere or if the page fails (the run is done)."""
-    if not trainer.accelerator.is_main_process:
-        return None
-    try:
-        trainer.save_state()
-        path = write_report(trainer.args.output_dir, log_history=trainer.state.log_history,
-                            eval_history=trainer.eval_history, title=title, report_key=trainer.collector.source.report_key)
-    except Exception as err:  # noqa: BLE001 - a page must not cost a finished run its summary
-        print(f"warning: the report could not be written ({type(err).__name__}: {err}); "
-              f"`bipace-report {trainer.args.output_dir}` retries it.")
-        return None
-    return str(path)
+def describe_run(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> run_end.RunDescription:
+    """What the run's summary and report are titled with (model, env, preset), and where it writes."""
+    model = model_args.model_name_or_path or "embedded SmolLM2-135M-Instruct"
+    return run_end.RunDescription(model, training_args.env_name, training_args.preset, training_args.output_dir,
+                                  script_args.summary_file)
+
+
+def finished_warm_start(script_args: ScriptArguments, output_dir: str) -> dict | None:
+    """The warm start of a finished run, as its summary names it (nothing is loaded)."""
+    trained = Path(output_dir) / WARM_START_DIR
+    if (trained / "adapter_config.json").is_file():
+        return {"adapter": str(trained), "reused": True}
+    return {"adapter": script_args.warm_start_from} if script_args.warm_start_from else None
 
 
 def main(script_args: ScriptArguments, training_args: BiPACEConfig, model_args: ModelConfig) -> dict:
     preflight.check_run(training_args, model_args)
-    prepare_output_dir(script_args, training_args, model_args)
-    trainer, warm_start = build_trainer(script_args, training_args, model_args)
-    push_error = None
-    try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        if not trainer.interrupted:  # a stopped run is not final: its weights stay in its last checkpoint
-            trainer.save_model(training_args.output_dir)
-            if training_args.push_to_hub:
-                push_error = push_model(trainer)
-    finally:
-        trainer.close_envs()
-
-    evals = {e["tag"]: e for e in trainer.eval_history}
-    summary = {
-        "model": model_args.model_name_or_path or "embedded SmolLM2-135M-Instruct",
-        "env": training_args.env_name,
-        "preset": training_args.preset,
-        "steps": trainer.state.global_step,
-        "success_before": evals.get("before", {}).get("success_rate"),
-        "success_after": evals.get("final", {}).get("success_rate"),
-        "per_type_after": evals.get("final", {}).get("per_type", {}),
-        "output_dir": training_args.output_dir,
-        "stopped": trainer.interrupted,
-        "push_error": push_error,  # the model is saved in output_dir; the exit code is 1
-        "warm_start": warm_start,
-        "before": evaluation_summary(evals.get("before")),
-        "after": evaluation_summary(evals.get("final")),
-        "curve": learning_curve(trainer.state.log_history),
-        "seconds": {"wall": time.time() - psutil.Process().create_time(), "cpu": time.process_time()},
-    }
-    summary["plot"] = None
-    if trainer.accelerator.is_main_process and summary["curve"]:
-        title = f"{summary['model']} on {summary['env']}, {summary['preset']}"
-        plot = plot_learning_curve(summary["curve"], Path(training_args.output_dir) / CURVE_FILE, trainer.eval_history, title)
-        summary["plot"] = str(plot)
-    summary["report"] = write_run_report(trainer, f"{summary['model']} on {summary['env']}, {summary['preset']}")
-    if trainer.accelerator.is_main_process and trainer.interrupted:
-        print(
-            f"\n=== stopped by SIGTERM at step {summary['steps']} ===\nNothing was saved as the final model or "
-            f"pushed; {run_dir.stop_message(training_args.output_dir)} Exit code {EXIT_STOPPED}."
-        )
-    if trainer.accelerator.is_main_process:
-        print_summary(summary, warm_start, training_args.output_dir)
-        if script_args.summary_file:
-            with open(script_args.summary_file, "w") as f:
-                json.dump(summary, f, indent=2)
+    finished_at = prepare_output_dir(script_args, training_args, model_args)
+    run = describe_run(script_args, training_args, model_args)
+    if finished_at is not None:  # a finished run resumed (a requeued job): nothing to train
+        return run_end.complete_finished(run, finished_at, finished_warm_start(script_args, run.output_dir),
+                                         training_args.push_to_hub, main=training_args.process_index == 0)
+    with run_end.EndGuard() as guard:  # once training is over, a SIGTERM lets the write in progress finish
+        trainer, warm_start = build_trainer(script_args, training_args, model_args)
+        try:
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+            summary = run_end.finish(trainer, guard, run, push_model, warm_start)
+        finally:
+            trainer.close_envs()
     end_run(trainer)
     return summary
-
-
-def print_summary(summary: dict, warm_start: dict | None, output_dir: str) -> None:
-    """The run's summary, as the README shows it (main process)."""
-    print("\n=== summary ===")
-    print(f"{summary['model']} on {summary['env']} with {summary['preset']}, {summary['steps']} steps")
-    if warm_start and warm_start.get("reused"):
-        print(f"warm start: the finished one in {warm_start['adapter']} (not trained again on resume)")
-    elif warm_start and "steps" in warm_start:
-        print(f"warm start: {warm_start['steps']} SFT steps on {warm_start['rows']} expert steps "
-              f"({warm_start['seconds']:.0f} s), adapter {warm_start['adapter']}")
-    elif warm_start:
-        print(f"warm start: adapter {warm_start['adapter']}")
-    print(format_evaluation("success before RL (held-out)", summary["before"]))
-    print(format_evaluation("success after RL (held-out) ", summary["after"]))
-    curve = summary["curve"]
-    if curve:
-        signal = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
-        resamples = sum(row.get("resamples", 0.0) for row in curve)
-        first, last = curve[0], curve[-1]
-        print(f"RL steps with non-zero advantages: {signal} of {len(curve)}"
-              + (f" ({resamples:.0f} batch{'es' * (resamples != 1)} without signal played again on another goal)"
-                 if resamples else "")
-              + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
-              f"{last['batch_success']:.2f} at step {last['step']}")
-    print(f"learning curve: {summary['plot']}" if summary["plot"] else "learning curve: no RL step logged")
-    print(f"report (curves, evaluations, every dumped step with its credit): {summary['report']}"
-          if summary["report"] else "report: not written (see the warning above)")
-    print(f"time: {summary['seconds']['wall']:.0f} s wall, {summary['seconds']['cpu']:.0f} s CPU (this process)")
-    print(f"adapter and eval results: {output_dir}")
 
 
 HELP_USAGE = "python train.py [--config RECIPE.yaml] [--OPTION VALUE ...]"
@@ -469,6 +460,8 @@ def make_parser(main_job: bool = True, env_name: str = "textcraft", printing: bo
     )
     if main_job:
         parser.set_defaults(**MAIN_JOB_DEFAULTS, env_kwargs=MAIN_JOB_ENV_KWARGS.get(env_name, {}))
+        # one goal per process: the main job launched on N processes (accelerate_config_cpu.yaml) runs as printed
+        parser.set_defaults(tasks_per_iteration=max(1, int(os.environ.get("WORLD_SIZE", "1"))))
     return parser
 
 
@@ -495,16 +488,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, BiPACECo
     flags and the dataclasses' documented defaults; without one, the main job's defaults apply."""
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    values = preflight.recipe_values(recipe)
+    # (not under --help: it shows the config's own defaults, the same on every machine)
+    precision = None if {"-h", "--help"} & set(argv) else preflight.cpu_precision(argv, values)
     try:
         env_name = _flag_value(argv, "--env", "--env_name") or "textcraft"
         parser = make_parser(main_job="--config" not in argv, env_name=env_name, printing="--print_config" in argv)
         if preflight.deepspeed_on_cpu():  # else "train_batch_size 2 != 2 * 1 * 2" once the model has loaded
             parser.set_defaults(use_cpu=True)
+        if precision:  # decided here, whatever the config's bf16 default is on a CPU
+            parser.set_defaults(bf16=False, fp16=False)
+        if recipe:
+            preflight.check_recipe_types(parser, values, recipe)
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, EnvUnavailableError) as err:  # a dataclass refused a value: field, value and fix
         usage_error(str(err))
     script_args.recipe = recipe
     script_args.explicit = explicit_settings(argv, recipe)
+    script_args.precision = precision
     return script_args, training_args, model_args
 
 
@@ -533,8 +534,11 @@ def run() -> None:
     with quiet:
         script_args, training_args, model_args = parse_args()
     if script_args.print_config:
-        print(resolved_config(script_args, training_args, model_args))
+        if preflight.is_main_rank():  # once, however many processes the launcher started
+            print(resolved_config(script_args, training_args, model_args))
         sys.exit(0)
+    if script_args.precision and preflight.is_main_rank():
+        print(script_args.precision, flush=True)
     try:
         summary = main(script_args, training_args, model_args)
     except ConfigError as err:  # found before the weights load (model config, trackers, quantization)

@@ -31,7 +31,7 @@ PROJECT = "bipace-trainer"
 PAPERS = {
     "bipace": (
         "BiPACE: Bisimulation-Guided Policy Optimization with Action Counterfactual Estimation for LLM Agents",
-        "https://github.com/TianxiangZhao/BiPACE",
+        "https://arxiv.org/abs/2606.25556",
     ),
     "gigpo": ("Group-in-Group Policy Optimization for LLM Agent Training (GiGPO)", "https://arxiv.org/abs/2505.10978"),
     "gagpo": ("Generalized Advantage Grouped Policy Optimization (GAGPO)", None),

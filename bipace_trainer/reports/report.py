@@ -10,15 +10,17 @@ What the page reads from the run's output directory (nothing else, no network):
   (`estimator/*`, `advantage/*`, docs/concepts/math.md#diagnostics);
 - `eval_results.json` (`trainer.eval_history`): the held-out evaluations, drawn on the curve
   with their 95% Wilson interval and listed in a table per task type;
-- `bipace_eval*.json` (what `bipace-eval` writes): its tables;
+- `bipace_eval*.json`, there or in `bipace_eval/` (what `bipace-eval` writes): its tables;
+- `bipace_run.json` (train.py's record of the run): the page's title (model, env, preset);
 - `rollouts/*.jsonl` (`--rollout_dump_steps`, format in `trajectories`): every episode, each
   turn with its observation, reply, parsed action, reward, return R_t and advantage, coloured
   by the advantage's sign and size. Clicking a step lists the other steps of its cell (the
   state partition's cell, the steps its baseline compared it with); the PACE branch, GAGPO's
   GAE terms (V̄, next V̄, δ, their discounted sum, the centred penalty, the group's mean and
   std), HGPO's context levels (per level k: its cell, the cell's size, a_k, whether it entered
-  the weighted mean) and any other per-turn field a dump carries are shown. Filters select episodes by dump
-  (the step), outcome and task type.
+  the weighted mean) and any other per-turn field a dump carries are shown, and after the last turn what
+  the env returned after the last action (`end`). Filters select episodes by dump (the step), outcome
+  and task type.
 
 The curves are plotly figures whose JavaScript is inlined once (`plotly.offline.get_plotlyjs`),
 so the page opens offline. Every env or model text is HTML-escaped with its control characters
@@ -54,6 +56,7 @@ __all__ = [
 
 REPORT_FILE = "report.html"
 DUMP_DIR = "rollouts"
+RUN_RECORD = "bipace_run.json"  # train.py's record of the run (`run.run_dir.RUN_FILE`): its title
 # Log keys drawn as the estimator's diagnostics (docs/concepts/math.md#diagnostics), one small panel each.
 DIAGNOSTIC_PREFIXES = ("estimator/", "advantage/")
 # The task attributes an env reports success by (`TextEnv.report_key` of the shipped envs), in the
@@ -104,6 +107,16 @@ def load_log_history(output_dir: str | Path) -> list[dict[str, Any]]:
     return []
 
 
+def recorded_title(output_dir: str | Path) -> str | None:
+    """The title train.py gave the run (`bipace_run.json`'s "title": model, env, preset), or None."""
+    try:
+        record = json.loads((Path(output_dir) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    title = record.get("title") if isinstance(record, dict) else None
+    return title if isinstance(title, str) else None
+
+
 def _checkpoint_step(folder: Path) -> int:
     tail = folder.name.rpartition("-")[2]
     return int(tail) if tail.isdigit() else -1
@@ -129,8 +142,11 @@ def _dump_step(name: str) -> int:
 
 
 def load_bench_evaluations(output_dir: str | Path) -> list[dict[str, Any]]:
-    """What `bipace-eval` wrote into `output_dir` (`bipace_eval*.json`), if anything."""
-    return [_read_json(path) | {"file": path.name} for path in sorted(Path(output_dir).glob("bipace_eval*.json"))]
+    """What `bipace-eval` wrote for the run (`bipace_eval*.json` in `output_dir`, or in its `bipace_eval/`
+    folder, where `bipace-eval RUN_DIR` writes by default), if anything."""
+    output_dir = Path(output_dir)
+    paths = sorted(output_dir.glob("bipace_eval*.json")) + sorted(output_dir.glob("bipace_eval/bipace_eval*.json"))
+    return [_read_json(path) | {"file": str(path.relative_to(output_dir))} for path in paths]
 
 
 # ---------------------------------------------------------------------------------------------- curves
@@ -445,11 +461,13 @@ def episode_html(episode: dict[str, Any], dump_index: int, dump_name: str, key: 
     head = "".join(f"<th>{h}</th>" for h in ("turn", "observation", "reply", "action", "reward", "return R<sub>t</sub>",
                                              "advantage", "cell", "credit"))  # fmt: skip
     failure = f'<p class="failure">env failure: {escape_text(episode.get("failure"))}</p>' if episode.get("failure") else ""
+    end = episode.get("final_observation")  # what the env returned after the last action
+    end = f'<p class="end">end: {_pre(end, "obs")}</p>' if end is not None else ""
     return (
         f'<details class="episode" id="{anchor}" data-dump="{dump_index}" data-outcome="{escape_text(result)}" '
         f'data-type="{escape_text(kind)}"><summary>{summary}</summary>'
         f'<p class="task">{escape_text(episode.get("task"))}</p>{failure}'
-        f'<table class="turns"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></details>'
+        f'<table class="turns"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>{end}</details>'
     )
 
 
@@ -635,7 +653,7 @@ def build_report(
     evaluations = evaluation_table(eval_history) if eval_history else "<p>No evaluation in eval_results.json.</p>"
     bench = "".join(bench_evaluation_html(r) for r in load_bench_evaluations(output_dir))
     episodes = sum(len(e) for _, e in dumps)
-    title = title or f"Run {output_dir.resolve().name}"
+    title = title or recorded_title(output_dir) or f"Run {output_dir.resolve().name}"
     steps = len(learning_curve(log_history))
     legend = (
         '<p class="legend">Each row is one env step (one training sample). Colour: the step\'s advantage, '
@@ -676,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", help="a run's output directory (train.py's --output_dir)")
     parser.add_argument("-o", "--output", help=f"where to write the page (default <output_dir>/{REPORT_FILE})")
     parser.add_argument("--env", help="the run's env (its report_key names the task types); guessed if left out")
-    parser.add_argument("--title", help="the page's title (default: the directory's name)")
+    parser.add_argument("--title", help="the page's title (default: the run's, as train.py recorded it, else the "
+                        "directory's name)")
     parser.add_argument("--max_episodes", type=int, default=DEFAULT_MAX_EPISODES,
                         help=f"episodes shown per dump (default {DEFAULT_MAX_EPISODES}; 0: all)")
     args = parser.parse_args(argv)

@@ -92,7 +92,7 @@ def plot_learning_curve(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, rates = plt.subplots(figsize=(7, 4))
+    fig, rates = plt.subplots(figsize=(7, 5), layout="constrained")
     steps = [row["step"] for row in curve]
     columns = (
         ("batch_success", "training-batch success", "o-"),
@@ -127,10 +127,11 @@ def plot_learning_curve(
     if losses:
         extra_handles, extra_labels = loss_axis.get_legend_handles_labels()
         handles, labels = handles + extra_handles, labels + extra_labels
-    # two held-out points that look apart may differ by chance alone: the legend says so
-    rates.legend(handles, labels, fontsize=7, loc="upper left", title=intervals_overlap(evaluations), title_fontsize=7)
+    # two held-out points that look apart may differ by chance alone: the legend says so. Below the axes, off
+    # the data: inside, it covered the evaluation before training (step 0, upper left) on the README's curve.
+    fig.legend(handles, labels, fontsize=7, loc="outside lower center", ncols=2, title=intervals_overlap(evaluations),
+               title_fontsize=7)
     rates.set_title(title, fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

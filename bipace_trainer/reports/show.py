@@ -10,7 +10,8 @@ reply, the parsed action (marked when invalid), the reward, the return R_t, and 
 advantage, green when positive and red when negative, with the cell (cluster id) and
 PACE branch that produced it, under HGPO each context level's advantage (`*`: used), and
 under GAGPO the GAE terms of the advantage (V̄, next V̄, δ, their discounted sum, the
-centred penalty, and the group's mean and std that normalise it).
+centred penalty, and the group's mean and std that normalise it); last, what the env
+returned after the last action (`end`), when it returned something.
 Files come from `--rollout_dump_steps` (`bipace_trainer.rollout.trajectories`).
 
 The file is read line by line (a dump of any size takes one episode's memory). A line
@@ -190,6 +191,8 @@ def render_episode(episode: dict[str, Any], color: bool = False) -> str:
             out.append(" " * 13 + _levels_line(turn["levels"], style))
         if isinstance(turn.get("gae"), dict):
             out.append(" " * 13 + _gae_line(turn["gae"], style))
+    if episode.get("final_observation") is not None:  # the state the last action reached
+        out += _block("end", episode["final_observation"], style)
     return "\n".join(out)
 
 

@@ -100,7 +100,12 @@ class Play:
         if failed:
             self.done[i] = episode.failed = True
             episode.failure = (result.info or {}).get("env_failure", "") if result else "no result"
+            episode.final_observation = episode.final_anchor = None  # the fault reached no state: a dead end
             return
+        # the state reached so far (the episode's end once it is done); a reply that ends the episode
+        # without an env call (`Action.command` None, TRL's envs) leaves the state as it was
+        episode.final_observation = result.observation
+        episode.final_anchor = result.anchor if action.command is not None else self.current[i].anchor
         episode.won = episode.won or result.won
         if "score" in (result.info or {}):
             episode.score = float(result.info["score"])

@@ -92,16 +92,18 @@ def score_rollout(
 def generation_metrics(
     scored: ScoredRollout, played: list[Episode], *, env_metrics: dict[str, float], trl_metrics: dict[str, float],
     resamples: int | None = None, weight_syncs: int | None = None, global_step: int | None = None,
+    skip_without_signal: bool = True,
 ) -> dict[str, float]:
     """A training generation's metrics: the rollout's, the estimator's diagnostics, the envs', the batch's,
-    TRL's own (`trl_metrics`), what was masked or skipped; with `resamples` (dynamic sampling on) the
-    resample count and the success rate over every episode `played`; `weight_syncs` under vLLM; with
-    `global_step` (`max_staleness=1`) the staleness of the trained batch."""
+    TRL's own (`trl_metrics`), what was masked or skipped (a batch without signal, when
+    `skip_without_signal`); with `resamples` (dynamic sampling on) the resample count and the success
+    rate over every episode `played`; `weight_syncs` under vLLM; with `global_step` (`max_staleness=1`)
+    the staleness of the trained batch."""
     metrics = {**scored.rollout.metrics(), **scored.estimate.diagnostics, **env_metrics, **scored.batch_metrics}
     metrics.update(trl_metrics)
     metrics["train/masked_failed_episodes"] = float(scored.masked_episodes)
     metrics["train/masked_failed_steps"] = float(scored.masked_steps)
-    metrics["train/skipped_batches"] = float(not scored.signal)
+    metrics["train/skipped_batches"] = float(not scored.signal and skip_without_signal)
     if resamples is not None:
         metrics["train/resamples"] = float(resamples)
         # the trained batch was selected for signal; this rate counts every episode the step played

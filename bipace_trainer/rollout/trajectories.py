@@ -16,8 +16,9 @@ centred penalty, and the task group's μ and σ that normalise it.
 Evaluation rollouts are not trained on: their rows have R_t but no advantage, cell or branch.
 
 An episode record (one JSONL line, `python -m bipace_trainer.reports.show` renders it) holds
-the episode's outcome and its turns in order. Cells and task groups are numbered per
-rank; `rank` says which.
+the episode's outcome, its turns in order, and `final_observation`: what the env returned after
+the last action (None when an env fault ended the episode, or it took no step). Cells and task
+groups are numbered per rank; `rank` says which.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def episode_records(
                 "failed": e.failed,
                 "failure": e.failure,
                 "turns": sorted(turns.get(e.traj, []), key=lambda turn: turn["turn"]),
+                "final_observation": e.final_observation,
             }
         )
     return records

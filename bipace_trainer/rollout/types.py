@@ -141,6 +141,11 @@ class Episode:
     tool_calls: int = 0  # TRL's envs: the tool calls the episode made, and how many returned an error
     tool_failures: int = 0
     reward_terms: dict[str, float] = field(default_factory=dict)  # reward by source (TRL's reward_func_names), unweighted
+    # What the env returned after the episode's last action (a win, a turn-limit cut, a loss the env
+    # ended): its observation and anchor. None when there is none: an env fault ended the episode (no
+    # state was reached), or it took no step (a reset that failed or solved the task).
+    final_observation: str | None = None
+    final_anchor: str | None = None
     milestones: tuple[str, ...] | None = None  # the task's milestone plan, when the env gave one at reset
 
 
@@ -161,7 +166,11 @@ class Rollout:
     def step_batch(self, hidden: torch.Tensor | None = None) -> StepBatch:
         """The estimator's input: one row per step. `hidden`: the (N, d) states of the steps captured
         apart from the rollout (the training batch's old-logprob pass); without it, the steps' own
-        states, stacked when every step has one (captured in the generation)."""
+        states, stacked when every step has one (captured in the generation).
+
+        `next_anchor` is the anchor of the state each step led to: the next step's, and after an
+        episode's last step the env's final observation (`Episode.final_anchor`), None (a dead end
+        of its own) where an env fault left none. The graph return reads it (GraphGPO's next_obs)."""
         steps = self.steps
         if hidden is None and steps and all(s.hidden is not None for s in steps):
             hidden = torch.stack([s.hidden for s in steps])
@@ -179,10 +188,17 @@ class Rollout:
             action_key=[s.action_key for s in steps],
             hidden=hidden,
             truncated=[last_of_cut.get(s.traj) == s.t for s in steps],
+            next_anchor=self.next_anchors(),
             milestone=[bool(s.milestone) for s in steps] if has_flags else None,
             milestone_plan=[plans[s.traj] for s in steps] if has_plans else None,
             action_text=[s.action for s in steps],
         )
+
+    def next_anchors(self) -> list[str | None]:
+        """Per step (batch order), the anchor of the state it led to (`step_batch`)."""
+        anchor_at = {(s.traj, s.t): s.anchor for s in self.steps}
+        end = {e.traj: e.final_anchor for e in self.episodes}
+        return [anchor_at[(s.traj, s.t + 1)] if (s.traj, s.t + 1) in anchor_at else end.get(s.traj) for s in self.steps]
 
     def without_failed_episodes(self) -> "Rollout":
         """The rollout with the steps of env-failed episodes left out (`penalize_env_failures=False`):

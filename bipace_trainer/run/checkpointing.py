@@ -22,6 +22,11 @@ renames it into place (a full disk stops the run with `CheckpointWriteError`, th
 previous checkpoint intact); the state it saves is a value (`RunState`), not the trainer;
 `load_run_state` reads it back; `EpochSeededRepeatSampler` makes a resumed
 run draw the same task order as an uninterrupted one.
+
+The final model is written the same way (`save_final_model`): into `<output_dir>/.final.staging/`,
+then each file renamed into place, so no half-written file ever carries a final name; a full disk
+there is a `FinalModelWriteError` naming what was kept. `rng_state` / `set_rng_state` take and put
+back the generators a checkpoint saves (the final evaluation's starting point, `trainer.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shutil
+import tempfile
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -49,15 +56,21 @@ __all__ = [
     "ENV_COUNTERS_FILE",
     "OVERLAP_FILE",
     "CheckpointWriteError",
+    "FinalModelWriteError",
+    "FINAL_STAGING",
     "RunState",
     "save_atomically",
     "load_run_state",
     "EpochSeededRepeatSampler",
+    "save_final_model",
+    "rng_state",
+    "set_rng_state",
 ]
 
 BUFFER_FILE = "rollout_buffer_rank{rank}.pt"  # a generation's samples not yet trained on, per rank
 ENV_COUNTERS_FILE = "env_counters_rank{rank}.json"  # the train VectorEnv's cumulative counters, per rank
 OVERLAP_FILE = "overlap_rollout_rank{rank}.pt"  # the generation played ahead during the last update, per rank
+FINAL_STAGING = ".final.staging"  # under output_dir: the final model while it is written
 
 
 # A write that failed for want of space: errno, or the words torch's zip writer
@@ -70,6 +83,11 @@ _NO_SPACE_WORDS = ("unexpected pos", "file write failed", "no space left", "file
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written for want of disk space; the message is one line
     naming the checkpoint, the folder, the previous checkpoint (intact) and the fix."""
+
+
+class FinalModelWriteError(CheckpointWriteError):
+    """The final model could not be written for want of disk space; the message is one line naming
+    the folder and what was kept (the last checkpoint, a copy elsewhere, or nothing)."""
 
 
 def _out_of_space(err: BaseException | None) -> bool:
@@ -224,3 +242,73 @@ class EpochSeededRepeatSampler(RepeatSampler):
         self.generator.manual_seed(self.seed)
         for _ in range(epoch):
             torch.randperm(self.num_samples, generator=self.generator)
+
+
+def save_final_model(output_dir: Path, write: Callable[[Path], None], *, accelerator: Accelerator) -> None:
+    """`write(folder)` (the trainer's save: weights, tokenizer, card) into `<output_dir>/.final.staging`,
+    then every file it wrote renamed into `output_dir`: a kill leaves whole files under the final names
+    (the previous ones, or the new ones), never half of one. Every rank takes part. A full disk removes
+    the staging copy and, on one process, saves the model into the system's temporary folder instead
+    (another disk, often): `FinalModelWriteError` says which it was and what else was kept."""
+    staging = output_dir / FINAL_STAGING
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    try:
+        write(staging)
+    except Exception as err:
+        if not _out_of_space(err):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        raise FinalModelWriteError(_final_model_lost(output_dir, err, write, accelerator.num_processes)) from None
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for path in sorted(staging.iterdir()):
+            if path.is_dir():
+                shutil.rmtree(output_dir / path.name, ignore_errors=True)
+            os.replace(path, output_dir / path.name)
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _final_model_lost(output_dir: Path, err: BaseException, write: Callable[[Path], None], processes: int) -> str:
+    """The one line of a final save that ran out of space: the folder, the writer's words, what was kept."""
+    detail = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    kept = []
+    last = run_files.last_checkpoint(output_dir)
+    if last is not None:
+        kept.append(f"{last.name} (resume with --resume_from_checkpoint true once there is space: it trains "
+                    "nothing more if that is the last step, and writes the final model)")
+    if processes == 1:  # a sharded save would need every rank to write again
+        elsewhere = Path(tempfile.mkdtemp(prefix="bipace-final-model-"))
+        try:
+            write(elsewhere)
+            kept.insert(0, f"the final model in {elsewhere} (move its files into {output_dir} once there is space; "
+                           f"`bipace-report {output_dir}` then writes the report)")
+        except Exception:  # noqa: BLE001 - no room there either: nothing more to keep
+            shutil.rmtree(elsewhere, ignore_errors=True)
+    logs = [name for name in ("eval_results.json", "trainer_state.json") if (output_dir / name).is_file()]
+    kept += [f"the run's evaluations and log ({', '.join(logs)}) in {output_dir}"] if logs else []
+    return (f"no space left on device while writing the final model in {output_dir} ({detail}); kept: "
+            + ("; ".join(kept) if kept else "nothing of the trained weights (no checkpoint, no room elsewhere)") + ".")
+
+
+def rng_state() -> dict[str, Any]:
+    """The generators a checkpoint saves (Python, NumPy, torch CPU and CUDA), as they are now."""
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what `rng_state` took."""
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.random.set_rng_state_all(state["cuda"])

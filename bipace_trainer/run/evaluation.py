@@ -11,15 +11,22 @@ or a plain model's for `bipace-eval`). The result (success rate overall and per
 is logged by the trainer, appended to `trainer.eval_history` and, by the main process, written to
 `<output_dir>/eval_results.json` (`write_history`). `EvaluationCallback` runs it before training and every
 `eval_interval` steps, `FinalEvaluationCallback` once training ends.
+
+An evaluation leaves the process's random streams as it found them (`untouched_random_streams`): the
+training after it draws what it would have drawn without it, so a script with an `eval_dataset` trains
+on the same seed as GRPOTrainer trains it (GRPOTrainer has no such evaluation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
@@ -43,6 +50,7 @@ __all__ = [
     "summarise_evaluation",
     "EvaluationCallback",
     "FinalEvaluationCallback",
+    "untouched_random_streams",
 ]
 
 EVAL_FILE = "eval_results.json"
@@ -99,6 +107,23 @@ class Evaluates(Protocol):
     def evaluate_policy(self, tag: str = ..., split: str | None = ...) -> dict[str, Any]: ...
 
 
+@contextlib.contextmanager
+def untouched_random_streams() -> Iterator[None]:
+    """Run a block, then put Python's, NumPy's and torch's random streams (CPU, and every CUDA
+    device's once CUDA is in use) back where they were: what the block sampled is not taken from
+    the draws of what follows."""
+    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 @torch.no_grad()
 def play_evaluation(
     collector: RolloutCollector, tasks: list[TaskRef], *, temperature: float, step: int, tag: str, split: str,
@@ -107,7 +132,13 @@ def play_evaluation(
     """Play `tasks` (every rank its share) with `collector`'s policy at `temperature`; the summary over
     ranks (`summarise_evaluation`) with the result's `step`, `tag`, `split` and `seconds`, or {} when
     there are no tasks. `model` (the trainer's) is put in eval mode while it plays, then back.
-    Every rank must call it. No trainer: `bipace-eval` calls it with a plain model's policy."""
+    Every rank must call it. No trainer: `bipace-eval` calls it with a plain model's policy. The random
+    streams are left as they were (`untouched_random_streams`)."""
+    with untouched_random_streams():
+        return _play_evaluation(collector, tasks, temperature=temperature, step=step, tag=tag, split=split, model=model)
+
+
+def _play_evaluation(collector, tasks, *, temperature, step, tag, split, model) -> dict[str, Any]:
     accelerator = collector.accelerator
     world, rank = accelerator.num_processes, accelerator.process_index
     if not tasks:  # TRL's envs without an eval_dataset: nothing to evaluate on

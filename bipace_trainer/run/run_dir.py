@@ -5,12 +5,16 @@
     print(stop_message(args.output_dir))                      # what is really there
 
 One output_dir holds one run. `begin_run` refuses a new run in a folder that holds another
-run's checkpoints (the new run's saves would overwrite some of them and leave the others,
-and `--resume_from_checkpoint true` would pick up the old run's last one): resume it,
-pass `--overwrite_output_dir true` (its checkpoints are removed first), or pick another
-folder. Each run gets an id in `<output_dir>/bipace_run.json`; every checkpoint records
-the id and the config of the run that saved it (`checkpointing`), so a resume can tell a
-checkpoint of this run from another's, and a changed setting from the saved one.
+run's files (`run_files`: checkpoints, rollout dumps, evaluations, report, final model: the
+new run would overwrite some and leave the others, its report would list the old run's dumps,
+and `--resume_from_checkpoint true` would pick up the old run's last checkpoint): resume it,
+pass `--overwrite_output_dir true` (all of them are removed first), or pick another folder
+(train.py gives the main job's default folder the next free name instead: `free_folder`). Each
+run gets an id in `<output_dir>/bipace_run.json`; every checkpoint records the id and the
+config of the run that saved it (`checkpointing`), so a resume can tell a checkpoint of this
+run from another's, and a changed setting from the saved one. The record also keeps the run's
+title (the report's) and, once its final model is saved, the step it finished at
+(`finish_run`, `finished`): a finished run resumed trains nothing.
 
 A checkpoint carries its run's identity, so it resumes wherever it is: copied with or
 without its folder to new storage, or passed as `--resume_from_checkpoint PATH` with a
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import uuid
 from dataclasses import asdict
@@ -48,11 +53,29 @@ __all__ = [
     "compare_with_checkpoint",
     "stop_message",
     "clean_stale_files",
+    "run_files",
+    "free_folder",
+    "finish_run",
+    "finished",
+    "finished_step",
+    "run_title",
+    "flag_setting",
 ]
 
 RUN_FILE = "bipace_run.json"
 STATE_FILE = "bipace_state.json"  # in each checkpoint: the run's id and config, and its own state (`checkpointing`)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# What a run writes into its output_dir besides checkpoints (train.py, the trainer, `bipace-eval OUTPUT_DIR`):
+# a folder holding any of them holds a run, and `--overwrite_output_dir` removes all of them. Weights,
+# tokenizer and config files are the final model's (`save_model`); README.md counts only as the run's card.
+RUN_FILE_NAMES = (
+    "eval_results.json", "trainer_state.json", "report.html", "learning_curve.png", "training_args.bin",
+    "adapter_model.safetensors", "adapter_config.json", "model.safetensors", "model.safetensors.index.json",
+    "pytorch_model.bin", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
+)  # fmt: skip
+RUN_FOLDERS = ("rollouts", "runs", "bipace_eval", "warm_start", ".staging", ".final.staging", ".warm_start.staging")
+_RUN_PATTERNS = ("model-*-of-*.safetensors", "bipace_eval*.json", "bipace_eval*.md")
 
 # Settings that make a resumed run another run: refused.
 REFUSED_CHANGES = (
@@ -114,43 +137,128 @@ def _names(paths: list[Path]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)})"
 
 
-def begin_run(
-    output_dir: str | os.PathLike, resume: str | bool | None, overwrite: bool = False, write: bool = True
-) -> str | None:
-    """Check that `output_dir` can take this run and record its id; returns the id.
+def _listed(paths: list[Path]) -> str:
+    """'checkpoint-1/, eval_results.json, rollouts/': folders marked, at most six named."""
+    names = [f"{p.name}/" if p.is_dir() else p.name for p in paths]
+    return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:5])}, ... ({len(names)} in all)"
 
-    A new run (`resume` None) in a folder with checkpoints is refused unless `overwrite`,
-    which removes them (and a half-written `.staging`) first. A resumed run (`resume`: the
-    checkpoint, or True for the folder's last) takes the id the checkpoint carries, wherever
-    the checkpoint is (`_resumed_record`), unless that would mix two runs' checkpoints in the
-    folder (`mixed_runs`: refused). Only the process with `write` (the main one) removes and
-    records anything.
+
+def run_files(output_dir: str | os.PathLike) -> list[Path]:
+    """What an earlier run wrote in `output_dir` (`RUN_FILE_NAMES`, `RUN_FOLDERS`, checkpoints, its
+    card), sorted; [] for a folder that holds no run (empty, the user's own files, a refused try's record)."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    from ..reports.model_card import CARD_MARKER
+
+    found = [*checkpoints(folder), *(folder / name for name in (*RUN_FILE_NAMES, *RUN_FOLDERS))]
+    found += [path for pattern in _RUN_PATTERNS for path in folder.glob(pattern)]
+    card = folder / "README.md"
+    if card.is_file() and CARD_MARKER in card.read_text(errors="replace"):
+        found.append(card)
+    return sorted({path for path in found if path.exists()})
+
+
+def free_folder(output_dir: str | os.PathLike) -> Path:
+    """`output_dir` if it holds no run, else the first of `<output_dir>-2`, `-3`, ... that holds none
+    (the convention of tools that number their runs: a second `python train.py` does not overwrite the first)."""
+    folder = Path(output_dir)
+    number = 2
+    while run_files(folder):
+        folder = Path(f"{output_dir}-{number}")
+        number += 1
+    return folder
+
+
+def begin_run(
+    output_dir: str | os.PathLike, resume: str | bool | None, overwrite: bool = False, write: bool = True,
+    *, restart: bool = False, title: str | None = None,
+) -> str | None:
+    """Check that `output_dir` can take this run and record its id (and `title`); returns the id.
+
+    A new run (`resume` None) in a folder holding another run's files (`run_files`) is refused
+    unless `overwrite`, which removes them all first; `restart` (a resume asked for where there is
+    no checkpoint: the run starts over from step 0) removes the earlier try's files but its warm
+    start. A resumed run (`resume`: the checkpoint, or True for the folder's last) takes the id the
+    checkpoint carries, wherever the checkpoint is (`_resumed_record`), unless that would mix two
+    runs' checkpoints in the folder (`mixed_runs`: refused); it will train, so the record's
+    `finished` step goes. Only the process with `write` (the main one) removes and records anything.
     """
     folder = Path(output_dir)
-    found = checkpoints(folder)
+    found = [p for p in run_files(folder) if not (restart and p.name == "warm_start")]
     if not resume and found:
-        if not overwrite:
+        if not (overwrite or restart):
             raise RunDirError(
-                f"output_dir={str(folder)!r} holds checkpoints of another run ({_names(found)}): a new run there would "
+                f"output_dir={str(folder)!r} holds another run's files ({_listed(found)}): a new run there would "
                 "overwrite some and leave the others. Resume it with --resume_from_checkpoint true, start over with "
-                "--overwrite_output_dir true (its checkpoints are removed), or pick another --output_dir."
+                "--overwrite_output_dir true (removes them), or pick another --output_dir."
             )
         if write:
-            for path in [*found, folder / ".staging"]:
-                shutil.rmtree(path, ignore_errors=True)
-            print(f"overwrite_output_dir: removed {_names(found)} of the earlier run in {folder}.")
+            _remove(found)
+            what = "the earlier try" if restart and not overwrite else "the earlier run"
+            print(f"{'overwrite_output_dir' if overwrite else 'restart'}: removed {_listed(found)} of {what} in {folder}.")
     current = _run_record(folder) if resume else {}
     if resume:
         checkpoint = last_checkpoint(folder) if resume is True else Path(resume)
         current = _resumed_record(folder, checkpoint, current) if checkpoint is not None else current
+        current.pop("finished", None)
+    if title:
+        current = {**current, "title": title}
     if write and (current.get("run_id") is None or current != _run_record(folder)):
         from transformers.integrations.integration_utils import default_logdir
 
         if current.get("run_id") is None:
-            current = {"run_id": uuid.uuid4().hex, "tensorboard_dir": default_logdir()}
+            current = {"run_id": uuid.uuid4().hex, "tensorboard_dir": default_logdir(), **current}
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / RUN_FILE).write_text(json.dumps(current))
+        _write_record(folder, current)
     return current.get("run_id")
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _write_record(folder: Path, record: dict[str, Any]) -> None:
+    """`bipace_run.json`, replaced whole (a reader never sees half of it)."""
+    partial = folder / f".{RUN_FILE}.{os.getpid()}.partial"
+    partial.write_text(json.dumps(record))
+    os.replace(partial, folder / RUN_FILE)
+
+
+def finish_run(output_dir: str | os.PathLike, step: int, max_steps: int, epochs: float) -> None:
+    """Record that the run in `output_dir` reached its end at optimizer step `step` and its final model is
+    saved (`max_steps`, `epochs`: the settings it ended under); main process, after the final save."""
+    folder = Path(output_dir)
+    record = {**_run_record(folder), "finished": {"step": step, "max_steps": max_steps, "num_train_epochs": epochs}}
+    _write_record(folder, record)
+
+
+def finished_step(output_dir: str | os.PathLike) -> int | None:
+    """The step the run in `output_dir` finished at with its final model saved (`finish_run`), or None."""
+    done = _run_record(output_dir).get("finished")
+    return done["step"] if isinstance(done, dict) and isinstance(done.get("step"), int) else None
+
+
+def finished(output_dir: str | os.PathLike, max_steps: int, epochs: float) -> int | None:
+    """`finished_step`, if the run also went as far as `max_steps` (or, without one, `epochs`) asks;
+    else None (still running, stopped, or asked to go further)."""
+    step, done = finished_step(output_dir), _run_record(output_dir).get("finished")
+    if step is None:
+        return None
+    if max_steps > 0:
+        return step if step >= max_steps else None
+    reached = done.get("max_steps", 0) <= 0 and epochs <= float(done.get("num_train_epochs") or 0)
+    return step if reached else None
+
+
+def run_title(output_dir: str | os.PathLike) -> str | None:
+    """The title train.py gave the run (model, env, preset), recorded when it began; None if none."""
+    title = _run_record(output_dir).get("title")
+    return title if isinstance(title, str) else None
 
 
 def _resumed_record(folder: Path, checkpoint: Path, record: dict[str, Any]) -> dict[str, Any]:
@@ -275,19 +383,32 @@ def compare_with_checkpoint(
             refusals.append(
                 f"the estimator settings {what} differ from {checkpoint.name}'s "
                 f"({', '.join(f'{key}={saved[name].get(key)!r}' for key in keys)}): resuming would continue another run; "
-                "drop those flags (resume as saved) or start a new run in another --output_dir."
+                f"resume as saved with {' '.join(flag_setting(key, saved[name].get(key)) for key in keys)}, "
+                "or start a new run in another --output_dir."
             )
             continue
         flag = "model_name_or_path" if name == "model" else name
         refusals.append(
             f"{flag}={now[name]!r} differs from {checkpoint.name}'s {saved[name]!r}: resuming would continue another run; "
-            f"drop --{flag} (resume as saved) or start a new run in another --output_dir."
+            f"resume as saved with {flag_setting(flag, saved[name])}, or start a new run in another --output_dir."
         )
     for name in sorted(changed - set(REFUSED_CHANGES)):
         if name not in FREE_CHANGES:
             note = _CHANGE_NOTES.get(name)
             warnings.append(f"{name}={now[name]!r} (checkpoint: {saved[name]!r}{'; ' + note if note else ''})")
     return refusals, warnings
+
+
+def flag_setting(name: str, value: Any) -> str:
+    """The command-line words that set field `name` to `value` (a checkpoint's), ready to paste:
+    `--num_generations 4`, `--env_kwargs '{"size": 4}'`, `--level_weights 1.0 2.0`."""
+    if isinstance(value, dict):
+        words = [json.dumps(value)]
+    elif isinstance(value, (list, tuple)):
+        words = [str(item) for item in value]
+    else:
+        words = [str(value)]
+    return " ".join([f"--{name}", *(shlex.quote(word) for word in words)])
 
 
 def stop_message(output_dir: str | os.PathLike) -> str:

@@ -323,7 +323,8 @@ def base_fingerprint(model, count: int = 64) -> list[float]:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     weight = base.get_input_embeddings().weight.detach().float().flatten()
-    index = torch.linspace(0, weight.numel() - 1, count).long()
+    # clamped: float32 rounds the last position of a large matrix (SmolLM2's 28,311,551) past its end
+    index = torch.linspace(0, weight.numel() - 1, count).long().clamp(max=weight.numel() - 1)
     return [round(float(v), 6) for v in weight[index].cpu()]
 
 

@@ -217,5 +217,6 @@ def rl_config(plan: EnvPlan, size: Size, work_dir: Path, output_dir: Path, prese
         report_to="none",
         disable_tqdm=True,
         use_cpu=size.device == "cpu",
+        bf16=size.device != "cpu",  # float32 on a CPU (GRPOConfig's default would autocast to bf16 there)
     )
     return BiPACEConfig(**{**fields, **(overrides or {})})

@@ -315,9 +315,12 @@ def load_models(size: Size):
 
 def step_batch(batch: TruthBatch, anchor=None, hidden=None) -> StepBatch:
     """The estimator's input as the trainer builds it (`Rollout.step_batch`), with other anchors
-    (the true state, for the "true" partition) and the hidden states of one layer."""
+    (the true state, for the "true" partition: no next anchor then, the final states have no
+    recorded truth, so a failed last step is a dead end) and the hidden states of one layer."""
     records = batch.rollout.step_batch()
-    return dataclasses.replace(records, anchor=records.anchor if anchor is None else anchor, hidden=hidden)
+    if anchor is None:
+        return dataclasses.replace(records, hidden=hidden)
+    return dataclasses.replace(records, anchor=anchor, next_anchor=None, anchor_text=None, hidden=hidden)
 
 
 def oracle_checks(batch: TruthBatch) -> dict[str, Any]:

@@ -237,3 +237,28 @@ def graphgpo_advantages(
         zero_one = lambda v, dt: (torch.tensor(0.0, dtype=dt), torch.tensor(1.0, dtype=dt))  # noqa: E731
         advantage = advantage + w_ep * _group_normalise(scores, list(group), remove_std, zero_one)
     return (advantage, graph_returns) if with_returns else advantage
+
+
+def replayed_rows(rollout, make_env):
+    """Reference rows for a played rollout, from the env alone: each episode's actions replayed on a
+    fresh env (`make_env()`), in trajectory order, as (group, traj, t, reward, valid, anchor, next_obs):
+    anchor the env's anchor before the step, next_obs the one it returned after it, 'success' after
+    a won episode's last step, and a dead end of the trajectory's own where the env raised (the
+    reference's rollout has no env faults; a name no other row uses is that dead end)."""
+    steps_of: dict[int, list] = {}
+    for step in rollout.steps:
+        steps_of.setdefault(step.traj, []).append(step)
+    rows = []
+    for episode in rollout.episodes:
+        env = make_env()
+        state = env.reset(episode.task_id).anchor
+        for step in sorted(steps_of.get(episode.traj, []), key=lambda s: s.t):
+            try:
+                after = env.step(step.action).anchor
+            except RuntimeError:
+                after = f"dead end {episode.traj}"
+            last = step.t == episode.length - 1
+            nxt = "success" if last and episode.reward > 0 else after
+            rows.append((step.group, step.traj, step.t, step.reward, step.valid, state, nxt))
+            state = after
+    return rows

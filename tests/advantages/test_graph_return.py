@@ -3,6 +3,7 @@ hand, its diagnostics, the hidden-state graph, and the settings it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import pytest
@@ -24,9 +25,12 @@ from bipace_trainer.config import BiPACEConfig
 from .strategies import step_lists, to_batch
 
 
-def slow_graph_returns(group, traj, t, node, reward, gamma, normalize_distance):
+def slow_graph_returns(group, traj, t, node, reward, gamma, normalize_distance, anchor=None, end=None):
     """Per group, a dict of edges and one forward breadth-first search per node: the obviously
-    correct distances, the far + 1 rule, then 10 γ^d per step (lists in any row order)."""
+    correct distances, the far + 1 rule, then 10 γ^d per step (lists in any row order). With
+    `anchor` (per row) and `end` (per trajectory: the anchor of its final observation, or None),
+    a failed trajectory's last step reaches the node of the group's first step, in (trajectory, t)
+    order, whose anchor is that end; else (or without them) a dead end of its own."""
     rows = sorted(range(len(group)), key=lambda i: (traj[i], t[i]))
     episode = {}
     for i in rows:
@@ -36,8 +40,11 @@ def slow_graph_returns(group, traj, t, node, reward, gamma, normalize_distance):
         last = k == len(rows) - 1 or traj[rows[k + 1]] != traj[i]
         if not last:
             reached[i] = ("state", node[rows[k + 1]])
+        elif episode[traj[i]] > 0:
+            reached[i] = ("goal",)
         else:
-            reached[i] = ("goal",) if episode[traj[i]] > 0 else ("dead", traj[i])
+            known = [j for j in rows if end and group[j] == group[i] and anchor[j] == end.get(traj[i])]
+            reached[i] = ("state", node[known[0]]) if known else ("dead", traj[i])
     out = [0.0] * len(group)
     for g in set(group):
         mine = [i for i in rows if group[i] == g]
@@ -88,6 +95,44 @@ def test_graph_return_matches_a_search_by_hand(steps, partition, gamma, normaliz
     assert est.step_return.tolist() == pytest.approx(slow, rel=1e-9, abs=1e-300)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=step_lists(max_groups=3, max_traj=5, max_len=6),
+    data=st.data(),
+    partition=st.sampled_from(["hash", "hidden"]),
+    normalize_distance=st.booleans(),
+)
+def test_a_recorded_end_takes_the_node_of_the_state_it_names(steps, data, partition, normalize_distance):
+    """Every trajectory's final observation (`next_anchor` after its last step) is a state its group
+    visited, a new one, or unrecorded (None: an env fault): on the hash graph and on hidden clusters
+    (where it joins the cluster of the group's first step with that anchor) the returns are the
+    hand search's, and the counts say how the failed trajectories ended."""
+    by_traj: dict = {}
+    for s in steps:
+        by_traj.setdefault(s["traj"], []).append(s)
+    end = {traj: data.draw(st.sampled_from([None, f"end-{traj}", *(f"obs-{k}" for k in range(4))])) for traj in by_traj}
+    anchor_at = {(s["traj"], s["t"]): s["anchor"] for s in steps}
+    batch = dataclasses.replace(
+        to_batch(steps), next_anchor=[anchor_at.get((s["traj"], s["t"] + 1), end[s["traj"]]) for s in steps]
+    )
+    preset = "graphgpo" if partition == "hash" else "bigraphgpo"
+    est = estimate_advantages(batch, resolve_settings(preset, step_gamma=0.2, normalize_distance=normalize_distance,
+                                                      invalid_action_penalty=0.0), cluster_eps=0.1)  # fmt: skip
+    anchors = [s["anchor"] for s in steps]
+    slow = slow_graph_returns(
+        batch.group.tolist(), batch.traj.tolist(), batch.t.tolist(), est.cell.tolist(), batch.reward.tolist(),
+        0.2, normalize_distance, anchors, end,
+    )  # fmt: skip
+    assert est.step_return.tolist() == pytest.approx(slow, rel=1e-9, abs=1e-300)
+    failed = [traj for traj, rows in by_traj.items() if sum(r["reward"] for r in rows) <= 0]
+    seen = {(s["group"], s["anchor"]) for s in steps}
+    group_of = {traj: rows[0]["group"] for traj, rows in by_traj.items()}
+    d = est.diagnostics
+    assert d["graph/dead_ends"] == sum(end[traj] is None for traj in failed)
+    assert d["graph/failed_ends"] == sum(end[traj] is not None for traj in failed)
+    assert d["graph/failed_ends_known"] == sum((group_of[traj], end[traj]) in seen for traj in failed)
+
+
 def _batch(rows, hidden=None):
     group, traj, t, reward, valid, anchor = (list(c) for c in zip(*rows))
     return StepBatch(group=group, traj=traj, t=t, reward=reward, valid=valid, anchor=anchor, hidden=hidden)
@@ -110,9 +155,9 @@ def test_bigraphgpo_joins_texts_whose_hidden_states_agree():
     assert by_text.diagnostics["graph/nodes"] == 6.0
 
 
-def test_the_last_step_of_a_failed_episode_reaches_a_dead_end_of_its_own():
-    """No next prompt, so no hidden state after it: its node is the trajectory's own dead end
-    (unreachable: far + 1), never a state another trajectory visited."""
+def test_without_a_recorded_end_the_last_step_of_a_failed_episode_reaches_a_dead_end_of_its_own():
+    """No `next_anchor` (a batch built without the env's final observations): its node is the
+    trajectory's own dead end (unreachable: far + 1), never a state another trajectory visited."""
     rows = [(0, 0, 0, 0.0, True, "a"), (0, 0, 1, 1.0, True, "b"), (0, 1, 0, 0.0, True, "a"), (0, 2, 0, 0.0, True, "a")]
     est = estimate_advantages(_batch(rows), resolve_settings("graphgpo"))
     dead_1, dead_2 = est.graph.next_node[2], est.graph.next_node[3]

@@ -1,4 +1,6 @@
-"""`graphgpo` reproduces verl-agent's GraphGPO (`recipe/GraphGPO/core_graph.py`) to 1e-5.
+"""`graphgpo` reproduces verl-agent's GraphGPO (`recipe/GraphGPO/core_graph.py`): its algorithm (float64,
+means of equal values exact) to 1e-5, its float32 arithmetic to 2e-4 but on cells of equal returns
+(docs/results/fidelity.md); also on batches the rollout itself played, the env's replay as the reference's input.
 
 The reference is transcribed in `graphgpo_reference.py` (upstream commit 234a913). The
 compatibility setting is the `graphgpo` preset with `episode_stats="steps"` (GiGPO's episode
@@ -15,6 +17,8 @@ shows that those rows, and only those, differ from the code's arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,7 +26,7 @@ from hypothesis import strategies as st
 
 from bipace_trainer.advantages import StepBatch, compute_advantages, estimate_advantages, resolve_settings
 
-from .graphgpo_reference import graphgpo_advantages
+from .graphgpo_reference import graphgpo_advantages, replayed_rows
 
 MODES = {"mean_std": "mean_std_norm", "mean": "mean_norm"}
 
@@ -264,3 +268,88 @@ def test_the_codes_float32_mean_turns_equal_returns_into_noise():
     _, intended = both(rows, exact_mean=True, dtype=torch.float32)
     assert (ours == 0).all() and (intended == 0).all()
     assert (code != 0).any()
+
+
+# --------------------------------------------------------------------------- on batches the rollout itself built
+
+
+def random_walk(seed: int):
+    """A scripted policy for the tiny env: left, right or a malformed reply, from a seeded stream."""
+    import random
+
+    from bipace_trainer.rollout.loop import Generation
+
+    rng = random.Random(seed)
+
+    def generate(messages):
+        replies = [rng.choice(["<action>left</action>", "<action>right</action>", "go"]) for _ in messages]
+        return Generation([[1]] * len(messages), [[2]] * len(messages), replies)
+
+    return generate
+
+
+def played_tiny_rollout(seed: int = 0, max_turns: int = 4):
+    """Three task groups of four rollouts on the tiny env (a 4-cell line), one group on a task whose
+    env raises at its first step (`FaultyTinyEnv` task 2): wins, turn-limit cuts and env faults."""
+    from bipace_trainer.rollout.loop import RolloutSettings, TaskRef, run_rollouts
+    from envs.vector import VectorEnv
+
+    tasks = [TaskRef(task_id, group) for group, task_id in enumerate([0, 9, 2]) for _ in range(4)]
+    with VectorEnv("tests.reliability.faulty_envs:FaultyTinyEnv", len(tasks), {}) as envs:
+        return run_rollouts(envs, tasks, random_walk(seed), RolloutSettings(max_turns=max_turns, invalid_action="stay"))
+
+
+def test_the_rollout_records_every_episodes_end_as_the_env_returned_it():
+    from tests.reliability.faulty_envs import FaultyTinyEnv
+
+    rollout = played_tiny_rollout()
+    rows = replayed_rows(rollout, FaultyTinyEnv)
+    ends = {traj: nxt for _, traj, t, *_, nxt in rows if t == max(r[2] for r in rows if r[1] == traj)}
+    kinds = set()
+    for episode in rollout.episodes:
+        if episode.failed:  # the env raised at the step: no state was reached
+            assert episode.final_observation is None and episode.final_anchor is None
+            kinds.add("fault")
+            continue
+        replayed = ends[episode.traj]
+        assert episode.final_anchor == (replayed if replayed != "success" else episode.final_anchor)
+        kinds.add("won" if episode.won else "truncated" if episode.truncated else "other")
+        if episode.won:
+            assert episode.final_observation.startswith("You reached the goal!")
+    assert {"won", "truncated", "fault"} <= kinds
+    # the estimator's input: the next step's anchor, then the episode's end (None after a fault)
+    batch_next = rollout.next_anchors()
+    by_key = {(s.traj, s.t): s for s in rollout.steps}
+    episodes = {e.traj: e for e in rollout.episodes}
+    for step, nxt in zip(rollout.steps, batch_next):
+        following = by_key.get((step.traj, step.t + 1))
+        assert nxt == (following.anchor if following else episodes[step.traj].final_anchor)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("norm", ["mean_std", "mean"])
+@pytest.mark.parametrize("gamma, normalize_distance", [(0.1, False), (0.95, False), (0.5, True)])
+def test_the_trainers_input_gives_the_references_advantages_on_a_played_rollout(seed, norm, gamma, normalize_distance):
+    """`Rollout.step_batch` → the estimator, as the trainer calls it (env-failed episodes kept, as
+    `penalize_env_failures=True` trains them), against the reference fed from a replay of the env."""
+    from bipace_trainer.advantages import compute_advantages
+    from tests.reliability.faulty_envs import FaultyTinyEnv
+
+    rollout = played_tiny_rollout(seed)
+    rows = replayed_rows(rollout, FaultyTinyEnv)
+    group, traj, t, reward, valid, anchor, nxt = (list(col) for col in zip(*rows))
+    settings = resolve_settings("graphgpo", episode_stats="steps", advantage_norm=norm, step_gamma=gamma,
+                                normalize_distance=normalize_distance)  # fmt: skip
+    ours = compute_advantages(rollout.step_batch(), settings)[0]
+    position = {(s.traj, s.t): i for i, s in enumerate(rollout.steps)}
+    ours = ours[[position[key] for key in zip(traj, t)]]  # into the reference's (trajectory, t) order
+    ref = graphgpo_advantages(group, traj, reward, valid, anchor, nxt, gamma=gamma, mode=MODES[norm],
+                              normalize_distance=normalize_distance, exact_mean=True, dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(ours, ref.to(torch.float32), atol=1e-5, rtol=0)
+    # the batches hold what tells the two end rules apart: failed last steps that end in a state
+    # some step of their group was taken from
+    diagnostics = compute_advantages(rollout.step_batch(), settings)[1]
+    assert diagnostics["graph/failed_ends_known"] > 0 and diagnostics["graph/dead_ends"] == 4  # task 2's four faults
+    dead_end_rule = dataclasses.replace(rollout.step_batch(), next_anchor=None)
+    assert not torch.allclose(compute_advantages(dead_end_rule, settings)[0][[position[k] for k in zip(traj, t)]],
+                              ref.to(torch.float32), atol=1e-3)

@@ -1,4 +1,5 @@
-"""`hgpo` reproduces verl-agent's `compute_hgpo_outcome_advantage` to 1e-5.
+"""`hgpo` reproduces verl-agent's `compute_hgpo_outcome_advantage`: its algorithm (float64, means of
+equal values exact) to 1e-5; the code's float32 means of equal values differ (docs/results/fidelity.md).
 
 The reference is transcribed in `hgpo_reference.py` (upstream commit b4918cc). The
 compatibility setting is the `hgpo` preset itself, with `episode_stats="steps"` when

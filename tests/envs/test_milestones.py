@@ -111,7 +111,7 @@ def test_surface_variation_keeps_the_inner_envs_milestones():
 
 def test_an_env_without_milestones_is_refused_in_one_line_before_any_model_loads(tmp_path):
     common = dict(output_dir=str(tmp_path), report_to="none", tasks_per_iteration=1, num_generations=2,
-                  per_device_train_batch_size=2, env_kwargs={})  # fmt: skip
+                  per_device_train_batch_size=2, env_kwargs={}, bf16=False)  # fmt: skip
     with pytest.raises(ValueError) as refused:
         BiPACEConfig(preset="beacon", env_name=f"{__name__}:PlainEnv", **common)
     message = str(refused.value)

@@ -459,11 +459,11 @@ def test_backends_are_registered_by_name():
             assert vec.backend == "inline-test" and vec.reset([0, 1])[1].info["task"] == "reach cell 2."
         from bipace_trainer import BiPACEConfig  # the trainer's config takes a registered name too
 
-        assert BiPACEConfig(output_dir="unused", env_name="tiny", env_backend="inline-test").env_backend == "inline-test"
+        assert BiPACEConfig(output_dir="unused", env_name="tiny", env_backend="inline-test", bf16=False).env_backend == "inline-test"
     finally:
         del BACKENDS["inline-test"]
     with pytest.raises(ValueError, match=r"env_backend='inline-test' must be one of \('serial', 'thread', 'process'"):
-        BiPACEConfig(output_dir="unused", env_name="tiny", env_backend="inline-test")
+        BiPACEConfig(output_dir="unused", env_name="tiny", env_backend="inline-test", bf16=False)
     with pytest.raises(ValueError, match="backend=<class 'envs.tiny.TinyEnv'>: use one of"):
         VectorEnv("tiny", 2, backend=TinyEnv)  # type: ignore[arg-type]
 

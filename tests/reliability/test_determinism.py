@@ -33,3 +33,21 @@ def test_same_seed_same_run(warm_policy_dir, tmp_path):
     assert all(torch.equal(first[2][n], second[2][n]) for n in first[2])
     other = run(warm_policy_dir, tmp_path / "c", seed=4)
     assert other[0] != first[0]  # the seed matters: the test would notice a constant policy
+
+
+def test_an_evaluation_leaves_the_random_streams_where_it_found_them():
+    import random
+
+    import numpy as np
+
+    from bipace_trainer.run.evaluation import untouched_random_streams
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    without = draws()
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    with untouched_random_streams():
+        sampled = draws()  # what the evaluation sampled, from the same streams
+    assert sampled == without and draws() == without  # training then draws as if nothing had run

@@ -72,5 +72,5 @@ def test_a_warm_started_run_resumes_after_a_kill_in_its_sft_and_keeps_its_warm_s
     with pytest.raises(train.ConfigError, match="num_generations=2 differs from checkpoint-2's 4"):
         train.main(*train.parse_args([*flags, "--max_steps", "3", "--num_generations", "2",
                                       "--per_device_train_batch_size", "2"]))  # fmt: skip
-    with pytest.raises(train.ConfigError, match="holds checkpoints of another run"):
+    with pytest.raises(train.ConfigError, match="holds another run's files"):
         train.main(*train.parse_args([*flags[:-2], "--max_steps", "3"]))

@@ -102,8 +102,8 @@ def _old_run(folder: Path, steps=(1, 2, 3), run="old", config=None):
 def test_a_new_run_in_an_old_runs_output_dir_is_refused_before_any_weights_load(tmp_path):
     _old_run(tmp_path / "out")
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
-    with pytest.raises(train.ConfigError, match=r"holds checkpoints of another run \(checkpoint-1, checkpoint-2, "
-                       r"checkpoint-3\).*--resume_from_checkpoint true.*--overwrite_output_dir true"):  # fmt: skip
+    with pytest.raises(train.ConfigError, match=r"holds another run's files \(checkpoint-1/, checkpoint-2/, "
+                       r"checkpoint-3/\).*--resume_from_checkpoint true.*--overwrite_output_dir true"):  # fmt: skip
         train.prepare_output_dir(*args)
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--overwrite_output_dir", "true"])
     train.prepare_output_dir(*args)
@@ -148,7 +148,8 @@ def test_a_checkpoint_carries_its_run_and_resumes_wherever_it_is(layout, tmp_pat
     args = train.parse_args([*TINY, "--output_dir", str(out), "--resume_from_checkpoint", resume])
     train.prepare_output_dir(*args)
     assert args[1].resume_from_checkpoint.endswith("checkpoint-2")
-    assert json.loads((out / run_dir.RUN_FILE).read_text()) == {"run_id": "r1", "tensorboard_dir": "runs/Dec05_r1"}
+    record = json.loads((out / run_dir.RUN_FILE).read_text())
+    assert record == {"run_id": "r1", "tensorboard_dir": "runs/Dec05_r1", "title": "embedded SmolLM2-135M-Instruct on tiny, bipace_q"}
     assert run_dir.tensorboard_dir(out) == out / "runs/Dec05_r1"  # the resumed run writes on in its run's folder
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,6 +104,17 @@ def test_a_kill_during_a_save_never_leaves_a_broken_checkpoint(uninterrupted, wa
     finish(start(warm_policy_dir, tmp_path, "--resume"))
     assert not (tmp_path / ".staging").exists()  # cleared by the next save
     assert_same_run(tmp_path, uninterrupted)
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_from_its_last_checkpoint_trains_no_step_more(uninterrupted, warm_policy_dir, tmp_path):
+    """A requeued job resumes its last checkpoint, that of max_steps: transformers trained one step more (a
+    checkpoint-5, the final weights moved). A script's `trainer.train(resume_from_checkpoint=...)`, no train.py."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    finish(start(warm_policy_dir, out, "--resume"))
+    assert result(out)["global_step"] == 4 and not (out / "checkpoint-5").exists()  # not one step trained
+    assert_same_run(out, uninterrupted)
 
 
 @pytest.mark.slow

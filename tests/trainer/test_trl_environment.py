@@ -26,7 +26,7 @@ from tests.trainer.tool_setup import Lamps, make_model, make_tokenizer, prompt_d
 SHARED = dict(
     max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=40, learning_rate=1e-3,
     max_tool_calling_iterations=4, temperature=1.0, logging_steps=1, save_strategy="no", report_to="none",
-    use_cpu=True, seed=0, disable_tqdm=True,
+    use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
 )
 
 

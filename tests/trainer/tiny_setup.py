@@ -119,6 +119,7 @@ def tiny_args(output_dir, **overrides) -> BiPACEConfig:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,  # float32 on the CPU (GRPOConfig's default would autocast to bf16 there)
         learning_rate=5e-3,
         seed=0,
     )

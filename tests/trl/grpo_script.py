@@ -7,8 +7,10 @@ tests/trl/test_trl_parity.py runs this file twice: as it is, and with its import
 class names switched to bipace_trainer's (`from bipace_trainer import BiPACEConfig, BiPACETrainer`),
 the change the README's "Coming from TRL" promises is all it takes. `CASE` picks what the script does,
 each from TRL's docs: "tools" (the env, the default), "eval" (the env, with an `eval_dataset` evaluated
-every 2 steps), "prompts" (no env, no tools: two reward functions on the prompts, as TRL's quickstart);
-keyword arguments of `main` override the config's.
+every 2 steps), "prompts" (no env, no tools: two reward functions on the prompts, as TRL's quickstart),
+"prompts+eval_dataset" (the same with an `eval_dataset`, which TRL does not evaluate without an
+`eval_strategy`), "prompts+signal_once" (a reward that tells completions apart in the first
+generation only); keyword arguments of `main` override the config's.
 """
 
 import sys
@@ -33,6 +35,20 @@ def short_reply(completions, **kwargs) -> list[float]:
 def says_degrees(completions, target, **kwargs) -> list[float]:
     """A second one, reading a dataset column: the reply names the target temperature."""
     return [float(str(t) in completion[0]["content"]) for completion, t in zip(completions, target)]
+
+
+class SignalOnce:
+    """A reward function whose first call scores by length and every later call gives 1.0: the
+    generations after the first have no signal (every advantage 0)."""
+
+    __name__ = "signal_once"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, completions, **kwargs) -> list[float]:
+        self.calls += 1
+        return [-len(c[0]["content"]) / 100 if self.calls == 1 else 1.0 for c in completions]
 
 
 def plain_prompts(rows: int) -> Dataset:
@@ -60,7 +76,7 @@ def main(model_dir: str, output_dir: str, case: str = "tools", **config):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,  # float32 on a CPU (GRPOConfig's default would autocast to bf16 there; BiPACEConfig's is float32)
+        bf16=False,  # float32 on a CPU (both configs' default, TRL's, would autocast to bf16 there)
         seed=0,
         disable_tqdm=True,
     )
@@ -68,9 +84,14 @@ def main(model_dir: str, output_dir: str, case: str = "tools", **config):
     if case == "eval":  # TRL's evaluation: eval_loss and the eval_* metrics every eval_steps
         settings.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
         trainer_arguments["eval_dataset"] = prompt_dataset(2)
-    if case == "prompts":  # plain GRPO: prompts and reward functions, no env, no tools
+    if case.startswith("prompts"):  # plain GRPO: prompts and reward functions, no env, no tools
         settings.update(reward_weights=[1.0, 0.5], max_completion_length=16)
         trainer_arguments = dict(reward_funcs=[short_reply, says_degrees], train_dataset=plain_prompts(8))
+    if case == "prompts+eval_dataset":
+        trainer_arguments["eval_dataset"] = plain_prompts(2)
+    if case == "prompts+signal_once":
+        settings.update(reward_weights=[1.0])
+        trainer_arguments["reward_funcs"] = [SignalOnce()]
     settings.update(config)
     args = GRPOConfig(**settings)
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, **trainer_arguments)

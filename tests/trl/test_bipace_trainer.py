@@ -21,7 +21,7 @@ def bipace_args(output_dir, **overrides) -> BiPACEConfig:
         max_steps=1, tasks_per_iteration=2, num_generations=8, per_device_train_batch_size=4,
         max_turns=4, max_turn_length=48, max_completion_length=1024,  # each reply 48 tokens; the episode (TRL's cap) never 1024
         max_tool_calling_iterations=4, learning_rate=1e-3,
-        temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
         disable_tqdm=True, shuffle_dataset=False,
     )
     values.update(overrides)

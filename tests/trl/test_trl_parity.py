@@ -33,7 +33,7 @@ from bipace_trainer.trl_advantages import grpo_advantages
 from bipace_trainer.rollout.hidden import clamp_layer
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.rollout.tool_envs import check_environment_factory
-from bipace_trainer.trl_metrics import EpisodeSummary, episode_token_count, trl_metrics
+from bipace_trainer.trl_metrics import EpisodeSummary, processed_token_count, trl_metrics, trl_token_count
 from tests.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
 from tests.trainer.tool_setup import Lamps
 from tests.trl.thermostat import Thermostat, prompt_dataset
@@ -68,6 +68,31 @@ def test_trls_batch_arguments_give_trls_schedule(batch):
     grpo, ours = GRPOConfig(**COMMON, **batch), BiPACEConfig(**COMMON, **batch)
     assert (ours.generation_batch_size, ours.steps_per_generation) == (grpo.generation_batch_size, grpo.steps_per_generation)
     assert ours.tasks_per_iteration == grpo.generation_batch_size // grpo.num_generations  # derived, not imposed
+
+
+def _precision(config_class, **values) -> tuple:
+    """(bf16, fp16) as `config_class` resolves them, or the error it raises."""
+    try:
+        config = config_class(**{**COMMON, **values})
+    except ValueError as err:
+        return ("refused", "bf16" in str(err) or "fp16" in str(err))
+    return (config.bf16, config.fp16)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "bf16-gpu"])
+def test_bf16_resolves_as_grpo_config_resolves_it(gpu, monkeypatch):
+    """Every use_cpu / bf16 / fp16 combination, on a machine with and without a bf16 GPU (transformers'
+    check, patched): the same precision, or a refusal of both, so a switched script trains as it did."""
+    import transformers.training_args
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: gpu)
+    for use_cpu in (False, True):
+        for bf16 in (None, True, False):
+            for fp16 in (False, True):
+                values = dict(use_cpu=use_cpu, bf16=bf16, fp16=fp16)
+                assert _precision(BiPACEConfig, **values) == _precision(GRPOConfig, **values), values
+    assert _precision(BiPACEConfig, use_cpu=True) == (True, False)  # TRL's default: bf16, on the CPU too
+    assert _precision(BiPACEConfig, use_cpu=False) == ((True, False) if gpu else ("refused", True))
 
 
 def test_our_knob_still_sets_the_generation_and_a_conflict_names_both():
@@ -305,6 +330,8 @@ def test_the_same_script_has_the_same_schedule_and_every_grpo_metric_under_bipac
     assert max(e["tools/call_frequency"] for e in entries) > 0
     assert all(0.0 <= e["rewards/Thermostat/mean"] <= 1.0 for e in entries)
     assert ours.state.num_input_tokens_seen > 0 and entries[-1]["num_tokens"] == ours.state.num_input_tokens_seen
+    # the same episodes (one seed, one script), the same running token count: prompts and model tokens
+    assert [e["num_tokens"] for e in entries] == [e["num_tokens"] for e in grpo.state.log_history if "reward" in e]
 
 
 # --------------------------------------------------------------------------- every GRPOConfig field, honoured or refused
@@ -437,18 +464,24 @@ def test_grpo_advantages_equal_the_plain_python_reference(data, group_size, grou
 # --------------------------------------------------------------------------- TRL's token count, our own next to it
 
 
-def test_num_tokens_counts_each_token_the_model_processed_once():
-    grown = [  # a chat that only grew: TRL's one prompt (3 tokens) and completion (5, 6 are a tool result)
+def test_num_tokens_counts_prompts_and_model_tokens_as_trl_and_ours_every_token_once():
+    grown = [  # a chat that grew: TRL's one sample, prompt [1, 2, 3], replies [4, 5] and [8]; 6, 7 a tool result
         StepRecord(0, 0, 0, [1, 2, 3], [4, 5], "", "", True, None, "", 0.0),
         StepRecord(0, 0, 1, [1, 2, 3, 4, 5, 6, 7], [8], "", "", True, None, "", 0.0),
     ]
-    assert episode_token_count(grown) == 3 + 5
-    rebuilt = [  # our envs' history window: the second prompt is rebuilt, only its first token repeats
-        StepRecord(0, 1, 0, [1, 2, 3], [4], "", "", True, None, "", 0.0),
-        StepRecord(0, 1, 1, [1, 9, 9, 9], [5], "", "", True, None, "", 0.0),
+    assert trl_token_count(grown) == 3 + 2 + 1  # TRL's tool_mask leaves the tool result out
+    assert processed_token_count(grown) == 3 + 2 + 2 + 1  # the model read the tool result
+    re_rendered = [  # the template renders the reply otherwise than it was generated ([4, 9] for [4, 5])
+        StepRecord(0, 1, 0, [1, 2, 3], [4, 5], "", "", True, None, "", 0.0),
+        StepRecord(0, 1, 1, [1, 2, 3, 4, 9, 6, 7], [8], "", "", True, None, "", 0.0),
     ]
-    assert episode_token_count(rebuilt) == (3 + 1) + (3 + 1)
-    assert episode_token_count(grown + rebuilt) == 8 + 8  # each episode against its own previous turn
+    assert trl_token_count(re_rendered) == 3 + 2 + 1 and processed_token_count(re_rendered) == 3 + 2 + 3 + 1
+    rebuilt = [  # our envs' history window: the second prompt is rebuilt, a sample of its own
+        StepRecord(0, 2, 0, [1, 2, 3], [4], "", "", True, None, "", 0.0),
+        StepRecord(0, 2, 1, [1, 9, 9, 9], [5], "", "", True, None, "", 0.0),
+    ]
+    assert trl_token_count(rebuilt) == (3 + 1) + (4 + 1) and processed_token_count(rebuilt) == (3 + 1) + (3 + 1)
+    assert trl_token_count(grown + rebuilt) == 6 + 9  # each episode against its own previous turn
 
 
 # --------------------------------------------------------------------------- credit on look-alike states
@@ -525,11 +558,16 @@ def _completions(batch) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [
-    {}, {"scale_rewards": "none"}, {"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"},
-], ids=["default", "scale-none", "scale-batch", "normalize-then-sum"])
-def test_a_plain_grpo_script_trains_as_grpo_trainer_does(config, thermostat_policy_dir, tmp_path, monkeypatch):
-    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case="prompts", max_steps=2, **config)
+@pytest.mark.parametrize("case, config", [
+    ("prompts", {}), ("prompts", {"scale_rewards": "none"}), ("prompts", {"scale_rewards": "batch"}),
+    ("prompts", {"multi_objective_aggregation": "normalize_then_sum"}),
+    # our evaluation before and after training plays the eval_dataset's rows: it leaves the random streams alone
+    ("prompts+eval_dataset", {}),
+], ids=["default", "scale-none", "scale-batch", "normalize-then-sum", "eval-dataset"])
+def test_a_plain_grpo_script_trains_as_grpo_trainer_does(case, config, thermostat_policy_dir, tmp_path, monkeypatch):
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case=case, max_steps=2, **config)
+    if case == "prompts+eval_dataset":
+        assert [e["tag"] for e in ours.eval_history] == ["before", "final"] and not grpo.state.log_history[0].get("eval_loss")
     assert ours.generations == grpo.generations == [8] and ours.state.global_step == grpo.state.global_step == 2
     theirs, mine = grpo.batches[0], ours.batches[0]
     # the same seed samples the same completions, scored by the same reward functions...
@@ -544,6 +582,25 @@ def test_a_plain_grpo_script_trains_as_grpo_trainer_does(config, thermostat_poli
                 "frac_reward_zero_std", "completions/mean_length"):
         assert [e[key] for e in our_logs] == pytest.approx([e[key] for e in their_logs], rel=1e-4, abs=1e-6), key
     assert grpo.logged - ours.logged == set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip", [True, False], ids=["skip (ours)", "update (TRL's)"])
+def test_a_generation_without_signal_skips_its_update_unless_told_as_grpo_trainer(
+    skip, thermostat_policy_dir, tmp_path, monkeypatch
+):
+    """Two generations, the second without signal: GRPOTrainer still steps its optimizer there (Adam's
+    moments move the weights); ours skips by default, and `skip_update_without_signal = False` trains
+    as GRPOTrainer does, to the same weights."""
+    monkeypatch.setattr(BiPACETrainer, "skip_update_without_signal", skip)
+    grpo, ours = run_both(thermostat_policy_dir, tmp_path, monkeypatch, case="prompts+signal_once", max_steps=4)
+    assert ours.generations == grpo.generations == [8, 8]
+    skipped = [e["train/skipped_batches"] for e in ours.state.log_history if "train/skipped_batches" in e]
+    assert skipped == ([0.0, 1.0] if skip else [0.0, 0.0])  # logged once per generation
+    theirs, mine = dict(grpo.model.named_parameters()), dict(ours.model.named_parameters())
+    apart = max(float((mine[name] - weight).abs().max()) for name, weight in theirs.items())
+    # updating: float32 rounding of the same steps (1.8e-6 here); skipping: two Adam steps missing (5.5e-4)
+    assert apart > 1e-4 if skip else apart < 2e-5
 
 
 @pytest.mark.slow

@@ -56,7 +56,7 @@ def main():
     args = BiPACEConfig(
         output_dir=cli.out, preset="gigpo", max_steps=1, tasks_per_iteration=2, num_generations=2,
         per_device_train_batch_size=2, max_turns=3, max_turn_length=40, max_completion_length=1024, max_tool_calling_iterations=3,
-        learning_rate=1e-3, temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        learning_rate=1e-3, temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
         seed=0, disable_tqdm=True, shuffle_dataset=False, evaluate_before_training=False, eval_tasks=3,
         eval_rollouts_per_task=1,
     )

@@ -76,7 +76,7 @@ def main() -> None:
         output_dir=str(work / "run"), preset="gigpo", max_steps=2, tasks_per_iteration=2, num_generations=2,
         per_device_train_batch_size=2, gradient_accumulation_steps=2, max_turns=3, max_turn_length=48, max_completion_length=1024,
         max_tool_calling_iterations=3, learning_rate=1e-3, temperature=1.0, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, seed=0, disable_tqdm=True, eval_tasks=2, rollout_dump_steps=1, use_vllm=True, vllm_mode="colocate",
+        report_to="none", use_cpu=True, bf16=False, seed=0, disable_tqdm=True, eval_tasks=2, rollout_dump_steps=1, use_vllm=True, vllm_mode="colocate",
         vllm_max_model_length=2048,
     )  # fmt: skip
     trainer = Recording(
