@@ -12,7 +12,7 @@ averaged over the last 5 steps (up to `--at-step`) and validation success at tha
 last evaluation by default); then the mean difference over seeds with a Student-t 95% interval
 (n − 1 degrees of freedom). Runs from several JSONs are pooled (a later file never replaces a
 run already read); each run's host is in its JSON (`machine`). `--plot DIR` draws the pooled runs of
-each env as the study does (`DIR/learning_<env>.png`, every preset on one figure).
+each env as the study does (`DIR/learning_<env>.png`, every preset on one figure, up to `--at-step`).
 """
 
 from __future__ import annotations
@@ -87,11 +87,20 @@ def main():
     args = parser.parse_args()
     print(table(load_runs(args.studies), args.preset, args.against, args.split, args.at_step))
     if args.plot:
-        plot_pooled(args.studies, args.plot)
+        plot_pooled(args.studies, args.plot, args.at_step)
 
 
-def plot_pooled(paths: list[Path], out: Path) -> None:
-    """Each env's runs from every file, summarised and drawn with the first file's plan and warm start."""
+def up_to(run: dict[str, Any], at_step: int | None) -> dict[str, Any]:
+    """The run as it stood at `at_step` (its curve and evaluations up to it; None: the whole run)."""
+    if at_step is None:
+        return run
+    return {**run, "curve": [row for row in run["curve"] if row["step"] <= at_step],
+            "evals": [e for e in run["evals"] if e["step"] <= at_step]}
+
+
+def plot_pooled(paths: list[Path], out: Path, at_step: int | None = None) -> None:
+    """Each env's runs from every file (up to `at_step`: runs of different lengths draw alike), summarised and
+    drawn with the first file's plan and warm start."""
     from studies.learning.plan import EnvPlan
     from studies.learning.report import plot_env
     from studies.learning.stats import summarise_env
@@ -102,8 +111,11 @@ def plot_pooled(paths: list[Path], out: Path) -> None:
             envs.setdefault(name, env)
     out.mkdir(parents=True, exist_ok=True)
     for name, env in envs.items():
-        runs = list(load_runs(paths, env=name).values())
-        plan = EnvPlan(**{**env["plan"], "eval_splits": tuple(env["plan"]["eval_splits"])})
+        runs = [up_to(run, at_step) for run in load_runs(paths, env=name).values()]
+        # the splits every run evaluated: a short run (--validation-only) has only the validation split
+        splits = tuple(split for split in env["plan"]["eval_splits"]
+                       if all(any(e["split"] == split for e in run["evals"]) for run in runs))
+        plan = EnvPlan(**{**env["plan"], "eval_splits": splits})
         plot_env(name, summarise_env(plan, env["warm_start"], runs), runs, out / f"learning_{name}.png")
         print(f"wrote {out / f'learning_{name}.png'}")
 

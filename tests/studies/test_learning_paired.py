@@ -64,3 +64,11 @@ def test_the_pooled_figure_draws_every_preset_of_both_files(tmp_path, monkeypatc
     paired.plot_pooled([BASELINES, GRAPHGPO], tmp_path)
     assert (tmp_path / "learning_textcraft.png").stat().st_size > 10_000
     assert drawn["textcraft"] == sorted({r["preset"] for r in raw_runs(BASELINES) + raw_runs(GRAPHGPO)})
+
+
+def test_a_run_up_to_a_step_keeps_its_curve_and_evaluations_to_that_step():
+    run = raw_runs(BASELINES)[0]
+    short = paired.up_to(run, 10)
+    assert [row["step"] for row in short["curve"]] == list(range(1, 11))
+    assert [(e["split"], e["step"]) for e in short["evals"]] == [("valid", 10)]
+    assert paired.up_to(run, None) is run and len(run["curve"]) == 30
