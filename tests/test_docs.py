@@ -232,3 +232,30 @@ def test_the_readme_says_what_the_browser_tests_need_as_their_skip_reason_does()
     for text in (readme, skip):
         assert "Debian's chromium" in text and re.search(r"apt-get install (-y )?chromium", text), text
 
+
+# ------------------------------------------------------------------ the main job's recorded run
+
+
+def _load_main_job_pages():
+    spec = importlib.util.spec_from_file_location("regenerate", ROOT / "docs" / "results" / "main_job" / "regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_main_jobs_blocks_are_what_the_recorded_run_and_the_summary_code_print():
+    pages = _load_main_job_pages()
+    assert not pages.stale_pages(), "run python docs/results/main_job/regenerate.py"
+    summaries = [re.search(r"```\n(=== summary ===\n.*?)```", GENERATED.search(page.read_text()).group(0), re.S).group(1)
+                 for page in (pages.README, pages.QUICKSTART)]  # fmt: skip
+    assert summaries[0] == summaries[1] == pages.summary_text(pages.kept_run()["summary"])
+    assert "time: " in summaries[0] and "success after RL (held-out) : " in summaries[0]
+
+
+def test_the_main_jobs_blocks_follow_the_summary_code(monkeypatch):
+    from bipace_trainer.cli import run_end
+
+    pages = _load_main_job_pages()
+    original = run_end.print_summary
+    monkeypatch.setattr(run_end, "print_summary", lambda *args, **kwargs: (original(*args, **kwargs), print("one more line")))
+    assert pages.stale_pages() == [pages.README, pages.QUICKSTART]  # a change to the printed summary stales both pages

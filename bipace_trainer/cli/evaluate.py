@@ -448,7 +448,8 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
     resolved = resolve_model(spec, settings.base_model)
     if progress:
         progress(f"{label}: {len(plan) - len(todo)} of {len(plan)} chunks already played" if len(todo) < len(plan)
-                 else f"{label}: {len(plan)} chunks of <= {settings.chunk_size or 'all'} episodes to play")  # fmt: skip
+                 else f"{label}: {len(plan)} chunks of {f'<= {settings.chunk_size} episodes' if settings.chunk_size else 'a whole panel'} "
+                 "to play")  # fmt: skip
         if resolved.note:
             progress(f"{label}: {resolved.note}")
     evaluation = None
