@@ -242,6 +242,7 @@ def run(trainer, cli) -> dict:
             if cli.first_use:  # the shared update checks its own rows (TRL's forward of them, no gradients) first
                 shared.checked = False
                 results[name]["shared"].append(update(trainer, inputs, shared))
+                write(cli, results)  # kept even if the plain update does not finish
                 results[name]["plain"].append(update(trainer, inputs, None))
             else:
                 results[name]["plain"].append(update(trainer, inputs, None))
