@@ -62,7 +62,7 @@ def held_out_sentence(summary: dict) -> str:
 
 def readme_block(kept: dict) -> str:
     summary = kept["summary"]
-    return (f"```\n{summary_text(summary)}```\n\nIt shows a policy that acts and RL steps with signal; "
+    return (f"```\n{summary_text(summary)}```\nIt shows a policy that acts and RL steps with signal; "
             f"{held_out_sentence(summary)} ([Quickstart](docs/quickstart.md)).")
 
 
