@@ -18,7 +18,7 @@ from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 from .rollout.loop import ROLLOUT_MODES
-from .trl_advantages import AGGREGATIONS
+from .update.one_step import AGGREGATIONS
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
@@ -286,7 +286,7 @@ class BiPACEConfig(GRPOConfig):
         calls of one rollout (least recently used first; cleared when the rollout ends); 0 keeps
         none (sharing within a call only).
     shared_prefix (`bool`, True): the update's forward passes (and the old and reference log-prob
-        passes) compute a token prefix that rows share once (`shared_prefix.py`): a task group's
+        passes) compute a token prefix that rows share once (`update/shared_prefix.py`): a task group's
         common prompt, and an episode whose turns each extend the one before as one sequence. The
         same log-probs, entropies, loss, gradients and logged metrics as TRL's row-by-row forward under
         every loss setting, checked against it on the first packed forward; rows are packed only where
@@ -574,7 +574,7 @@ class BiPACEConfig(GRPOConfig):
 
     def _check_multi_turn_reward_settings(self, one_step: bool) -> None:
         """TRL's reward settings that have no step-level form: honoured on one-step episodes (plain prompts,
-        `trl_advantages`), refused on multi-turn ones (`GRPO_FIELDS`)."""
+        `update.one_step`), refused on multi-turn ones (`GRPO_FIELDS`)."""
         if self.multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} must be one of {AGGREGATIONS}.")
         if one_step:
@@ -593,7 +593,7 @@ class BiPACEConfig(GRPOConfig):
 
     def set_one_step_estimator(self) -> None:
         """Plain prompts: the prompt is the only state, shared by the group, so the estimator is the episode
-        term alone (GRPOTrainer's advantage, `trl_advantages`, replaces it); a graph preset's step return,
+        term alone (GRPOTrainer's advantage, `update.one_step`, replaces it); a graph preset's step return,
         which needs cells, goes with the step term."""
         self.estimator = dataclasses.replace(
             self.estimator, step_partition="none", step_baseline=None, w_ep=1.0, w_step=0.0, context_levels=0,

@@ -1,17 +1,17 @@
 """`BiPACETrainer`: TRL's GRPOTrainer trained on multi-turn env rollouts, one sample per env step.
 
-    collect (`RolloutCollector`, through `self.policy`) → estimate (`rollout.scoring`) → TRL's loss
+    collect (`RolloutCollector`, through `self.policy`) → estimate (`update.scoring`) → TRL's loss
 
 Rows of a generation batch are tasks, each `num_generations` times; the collector plays them through
-`self.policy` (`rollout.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch
+`self.policy` (`update.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch
 with the estimator's advantage. What it takes of TRL's internals, and hands back, comes through its base
-`trl_adapter.GRPOAdapter`, the one module that touches GRPOTrainer's private names; this one touches
+`update.adapter.GRPOAdapter`, the one module that touches GRPOTrainer's private names; this one touches
 none (tests/test_seam.py). Everything else (loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is
 TRL's; with `shared_prefix` each shared token prefix is forwarded once in TRL's log-prob passes
-(`shared_prefix.py`). Guards: docs/RELIABILITY.md.
+(`update/shared_prefix.py`). Guards: docs/RELIABILITY.md.
 
 A plain prompt dataset with `reward_funcs` is a set of one-step episodes, trained with GRPOTrainer's
-own advantage (`trl_advantages`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
+own advantage (`update.one_step`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
 its rows as a training batch (`_eval_batch`). What the trainer does with each GRPOConfig field is
 `config.GRPO_FIELDS`; docs/tutorials/coming-from-trl.md says it for users.
 """
@@ -28,7 +28,6 @@ import torch
 from datasets import Dataset
 from transformers import ProgressCallback
 
-from . import memory
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .models import load_tokenizer, resolve_model_name
@@ -36,15 +35,16 @@ from .reports.model_card import write_model_card
 from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
 from .rollout.hidden import HiddenPlan, clamp_layer
 from .rollout.loop import Rollout, TaskRef
-from .rollout.overlap import Prefetched, RolloutOverlap, check_overlap
-from .rollout.policy import TRLPolicy
-from .rollout.scoring import ScoredRollout, generation_metrics, score_rollout
 from .rollout.tool_envs import check_environment_factory, check_milestones
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
-from .shared_prefix import SharedPrefixForward
-from .trl_adapter import GRPOAdapter
+from .update import memory
+from .update.adapter import GRPOAdapter
+from .update.overlap import Prefetched, RolloutOverlap, check_overlap
+from .update.policy import TRLPolicy
+from .update.scoring import ScoredRollout, generation_metrics, score_rollout
+from .update.shared_prefix import SharedPrefixForward
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
@@ -122,7 +122,7 @@ class BiPACETrainer(GRPOAdapter):
             environment_factory=environment_factory,
         )
         self.one_step = plain_prompts
-        if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`trl_advantages`)
+        if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`update.one_step`)
             args.set_one_step_estimator()
             logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
                         "has no step term to add where the prompt is the only state).")
@@ -162,7 +162,7 @@ class BiPACETrainer(GRPOAdapter):
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
 
     def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
-        """`max_staleness=1`'s background rollouts (`rollout.overlap`), where nothing on the
+        """`max_staleness=1`'s background rollouts (`update.overlap`), where nothing on the
         background thread would have to run with the other ranks."""
         check_overlap(sharded_forward(self.accelerator, getattr(self, "is_fsdp_enabled", False)), trl_envs)
         return RolloutOverlap(self.collector, self.batch_spec, lambda: self.state.global_step, self.num_generations)
@@ -222,7 +222,7 @@ class BiPACETrainer(GRPOAdapter):
         if not self.model.training:  # TRL's evaluate (eval_dataset, eval_strategy)
             return self._eval_batch(inputs)
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
-        # max_staleness=1: this generation may have been played during the previous update (`rollout.overlap`)
+        # max_staleness=1: this generation may have been played during the previous update (`update.overlap`)
         prefetched = self._overlap.take(inputs) if self._overlap is not None else None
         # a subclass's `_scored_rollout(self, tasks)` (a timing bench's, a recorder's) keeps working without overlap
         scored = self._scored_rollout(tasks, prefetched) if prefetched is not None else self._scored_rollout(tasks)

@@ -20,7 +20,7 @@ No patch is applied at import, and none outlives the trainer that needs it, so a
 - Process-wide in transformers: `routed_attention` (the shared-prefix forward's attention, inside
   `BiPACETrainer.train`) routes transformers' "sdpa" entry for calls that carry a packed layout.
 - Read only: `fused_lm_head_settings` reads the closure TRL's `add_fused_lm_head` leaves on a
-  model, so a copy of the model gets its own fused head (`rollout.overlap.snapshot_module`).
+  model, so a copy of the model gets its own fused head (`update.overlap.snapshot_module`).
 
 May import nothing from the package: every other module may import it.
 """

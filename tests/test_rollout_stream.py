@@ -228,7 +228,7 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
     from types import SimpleNamespace
 
     from bipace_trainer.rollout.collector import RolloutCollector
-    from bipace_trainer.rollout.policy import TRLGeneration, TRLPolicy
+    from bipace_trainer.update.policy import TRLGeneration, TRLPolicy
     from bipace_trainer.rollout.vllm_stream import EngineStream, ServerStream, StreamTurns
 
     class Engine:  # what the collector's wrappers touch of TRL's colocated `LLM`

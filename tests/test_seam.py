@@ -1,4 +1,4 @@
-"""The seam between the trainer and the rest, checked on the source (AST): only `trl_adapter.py` touches
+"""The seam between the trainer and the rest, checked on the source (AST): only `update/adapter.py` touches
 GRPOTrainer's private names (`trainer.py` only overrides TRL's one seam), no other module touches the
 trainer's, and the rollout is handed a policy and values, never the trainer."""
 
@@ -49,7 +49,7 @@ def test_no_module_but_the_trainer_and_its_adapter_touches_a_private_name_of_the
     found = {
         str(path.relative_to(PACKAGE)): hits
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name not in ("trainer.py", "trl_adapter.py") and (hits := private_trainer_accesses(path.read_text()))
+        if str(path.relative_to(PACKAGE)) not in ("trainer.py", "update/adapter.py") and (hits := private_trainer_accesses(path.read_text()))
     }
     assert found == {}, "give these modules a value or a bound method from trainer.py instead: " + repr(found)
 
@@ -96,7 +96,7 @@ def test_the_trl_scan_finds_what_it_looks_for():
 
 def test_trainer_py_touches_no_private_name_of_trl_only_the_adapter_does():
     """trainer.py reads as collect → estimate → TRL's loss; what it takes of TRL's internals comes
-    through `GRPOAdapter`'s public methods, so a TRL release that renames one shows in trl_adapter.py."""
+    through `GRPOAdapter`'s public methods, so a TRL release that renames one shows in update/adapter.py."""
     assert trl_private_uses((PACKAGE / "trainer.py").read_text(), trl_private_names()) == []
     assert len((PACKAGE / "trainer.py").read_text().splitlines()) < 400
 
@@ -110,7 +110,7 @@ def test_only_the_trainer_and_its_adapter_subclass_trls_trainer():
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ClassDef) and {ast.unparse(base).split(".")[-1] for base in node.bases} & bases
     ]
-    assert found == ["trainer.py", "trl_adapter.py"], found
+    assert found == ["trainer.py", "update/adapter.py"], found
 
 
 def test_the_rollout_is_handed_a_policy_and_values_never_the_trainer():

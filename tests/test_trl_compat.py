@@ -227,7 +227,7 @@ def test_a_grpo_trainer_after_a_bipace_trainer_is_trls_own(tmp_path):
     code = (
         "import json, sys; from tests.test_trl_compat import plain_grpo_logs; "
         f"logs = plain_grpo_logs({str(tmp_path / 'fresh')!r}); "
-        "assert 'bipace_trainer.trainer' not in sys.modules and 'bipace_trainer.memory' not in sys.modules; "
+        "assert 'bipace_trainer.trainer' not in sys.modules and 'bipace_trainer.update.memory' not in sys.modules; "
         "print(json.dumps(logs))"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")

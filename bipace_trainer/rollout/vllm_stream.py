@@ -20,7 +20,7 @@ step go to their envs while the others keep decoding (`loop._continuous_stream`)
   step, the rollout's name, the episode's trajectory id and turn) makes each reply depend on
   its own request only. The engine's `logprobs_mode` ("processed_logprobs") is TRL's, set
   when TRL built the engine.
-- `StreamTurns`: the loop's `StreamingGenerator` over the trainer's `policy.TRLPolicy`: prompts
+- `StreamTurns`: the loop's `StreamingGenerator` over the trainer's `update.policy.TRLPolicy`: prompts
   tokenized per episode through it (TRL's `_tokenize_prompts`, tool schemas of each episode's
   environment included), TRL's weight push before the first request of a new step
   (`TRLPolicy.push_weights`, as `_generate_single_turn` does), the sampled token's logprob
@@ -273,7 +273,7 @@ class StreamTurns:
     colocate's engine (`EngineStream`) or the server (`ServerStream`).
 
     Args:
-        policy: the trainer's `policy.TRLPolicy` (its `vllm_generation`, tokenizer, decoding,
+        policy: the trainer's `update.policy.TRLPolicy` (its `vllm_generation`, tokenizer, decoding,
             weight version and push, prefix-cache counter, the run's seed).
         name: the rollout's name ("train", "eval"), part of every request's seed.
         hidden: the run's `HiddenPlan` when its states come from one extra pass ("forward"), or None.

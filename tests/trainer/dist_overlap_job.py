@@ -50,10 +50,10 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from bipace_trainer import BiPACETrainer  # noqa: E402
 from bipace_trainer.models import load_tokenizer  # noqa: E402
-from bipace_trainer.rollout.overlap import SnapshotPolicy  # noqa: E402
+from bipace_trainer.update.overlap import SnapshotPolicy  # noqa: E402
 from tests.trainer.tiny_setup import StopAfter, tiny_args  # noqa: E402
 
-BACKGROUND = "bipace-rollout-overlap"  # the thread `rollout.overlap._Background` starts
+BACKGROUND = "bipace-rollout-overlap"  # the thread `update.overlap._Background` starts
 COLLECTIVES = (
     "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
     "_allgather_base", "broadcast", "reduce", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base",

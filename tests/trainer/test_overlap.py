@@ -1,5 +1,5 @@
 """`max_staleness=1`: the next generation plays on a background thread while the current update
-runs (`rollout.overlap`), corrected by TRL's importance-sampling ratio."""
+runs (`update.overlap`), corrected by TRL's importance-sampling ratio."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.models import load_tokenizer
-from bipace_trainer.rollout.batching import padded_tensors, training_batch
-from bipace_trainer.rollout.overlap import Lookahead, Prefetched, SnapshotPolicy, _Background
+from bipace_trainer.update.batching import padded_tensors, training_batch
+from bipace_trainer.update.overlap import Lookahead, Prefetched, SnapshotPolicy, _Background
 
 from .tiny_setup import LORA, CapturingTrainer, StopAfter, lora_state, tiny_args
 

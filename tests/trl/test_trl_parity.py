@@ -29,11 +29,11 @@ from bipace_trainer.advantages import StepAdvantageEstimator, StepBatch
 from bipace_trainer.advantages.presets import estimate_advantages
 from bipace_trainer.config import GRPO_FIELDS
 from bipace_trainer.rollout.loop import StepRecord
-from bipace_trainer.trl_advantages import grpo_advantages
+from bipace_trainer.update.one_step import grpo_advantages
 from bipace_trainer.rollout.hidden import clamp_layer
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.rollout.tool_envs import check_environment_factory
-from bipace_trainer.trl_metrics import EpisodeSummary, processed_token_count, trl_metrics, trl_token_count
+from bipace_trainer.update.metrics import EpisodeSummary, processed_token_count, trl_metrics, trl_token_count
 from tests.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
 from tests.trainer.tool_setup import Lamps
 from tests.trl.thermostat import Thermostat, prompt_dataset
