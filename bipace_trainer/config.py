@@ -539,7 +539,7 @@ class BiPACEConfig(GRPOConfig):
                 "rollout itself (one sample per env step): pass environment_factory/tools, or env_name, instead."
             )
         if args is None:
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "name_or_path", "") or "model"
             args = cls(f"{str(name).rstrip('/').split('/')[-1]}-BiPACE")
         if not isinstance(args, BiPACEConfig):
             raise TypeError(

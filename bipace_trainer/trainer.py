@@ -28,6 +28,7 @@ import torch
 from datasets import Dataset
 from transformers import ProgressCallback
 
+from . import trl_compat
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .models import load_tokenizer, resolve_model_name
@@ -100,13 +101,14 @@ class BiPACETrainer(GRPOAdapter):
         # GRPOTrainer's signature, keyword for keyword and in its order, with its defaults.
         trl_envs = environment_factory is not None or bool(tools)
         args = BiPACEConfig.for_trainer(model, args, rollout_func, reward_funcs, trl_envs, train_dataset)
+        trl_compat.verify_ledger(args.use_vllm)  # every private name we borrow is there, before the model loads
         plain_prompts = args.plain_prompts(reward_funcs, trl_envs)
         trl_envs = trl_envs or plain_prompts  # scored by TRL's reward_funcs
         check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         check_milestones(environment_factory, needed=trl_envs and not plain_prompts and args.estimator.uses_milestones)
         if model is None or isinstance(model, str):
             model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
-        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        name = model if isinstance(model, str) else getattr(model.config, "name_or_path", "")
         if processing_class is None and name:
             processing_class = load_tokenizer(
                 name, truncation_side="left", padding_side="left", trust_remote_code=args.trust_remote_code
@@ -218,7 +220,10 @@ class BiPACETrainer(GRPOAdapter):
 
     # ------------------------------------------------------------------ the seam
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
+    def generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
+        """One generation batch (TRL's `_generate_and_score_completions`, through `GRPOAdapter`): `inputs`'
+        tasks played as multi-turn episodes, scored by the estimator, returned as TRL's batch (one row per
+        env step). A subclass that wraps it sees every generation, training and evaluation alike."""
         if not self.model.training:  # TRL's evaluate (eval_dataset, eval_strategy)
             return self._eval_batch(inputs)
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)

@@ -19,7 +19,7 @@ PACKAGE_DIR = ROOT / "bipace_trainer"
 ALLOWED = {
     "advantages": set(),
     "rollout": {"advantages", "trl_compat"},
-    "reports": {"models"},
+    "reports": {"models", "trl_compat"},
     "run": {"rollout", "advantages", "reports", "models"},
     # what meets TRL's loss: the trainer's base class, the batch, the shared-prefix forward
     "update": {"rollout", "advantages", "run", "trl_compat"},
@@ -27,7 +27,7 @@ ALLOWED = {
     "config": {"advantages", "rollout", "update"},  # the settings it checks (presets, ROLLOUT_MODES, AGGREGATIONS)
     "models": set(),
     "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
-    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "update"},
+    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "update", "trl_compat"},
     "__init__": {"config", "trainer", "rollout"},
 }
 SUBPACKAGES = ("advantages", "rollout", "update", "run", "reports", "cli")

@@ -16,6 +16,7 @@ from typing import Any
 
 import trl
 
+from .. import trl_compat
 from ..models import cache_dir
 
 __all__ = [
@@ -158,7 +159,7 @@ def _citations(preset: str) -> list[str]:
     for key in PRESET_PAPERS.get(preset, ["grpo"]):
         title, url = PAPERS[key]
         lines.append(f"- [{title}]({url})" if url else f"- {title}")
-    grpo = trl.GRPOTrainer._paper["citation"]
+    grpo = trl_compat.grpo_citation()
     return lines + ["", "```bibtex", grpo, "", TRL_CITATION, "```"]
 
 
@@ -184,7 +185,7 @@ def model_card(
     clustering); `eval_history`: the run's evaluations; `recipe`: the recipe file, if any;
     `trackers`: lines for the tracking section (default: `tracker_links`).
     """
-    base, hub_id = _base_model(getattr(model.config, "_name_or_path", "") or "")
+    base, hub_id = _base_model(getattr(model.config, "name_or_path", "") or "")
     peft = getattr(model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()

@@ -57,6 +57,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+from .. import trl_compat
 from .loop import Generation
 
 __all__ = [
@@ -163,7 +164,7 @@ class EngineStream:
     def submit(self, key: Hashable, prompt_ids: list[int], params) -> None:
         request_id = f"{self.prefix}{next(self.ids)}"
         prompt = {"prompt_token_ids": list(prompt_ids)}
-        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # what LLM.generate hands the engine
+        render = trl_compat.vllm_request_renderer(self.llm)  # what LLM.generate hands the engine
         self.engine.add_request(request_id, render(prompt) if render is not None else prompt, params)
         self.keys[request_id] = key
 
@@ -223,7 +224,7 @@ class ServerStream:
             "return_tokens_as_token_ids": True,
             **params,
         }
-        future = self.pool.submit(self.client._post, self.url, json=payload)
+        future = self.pool.submit(trl_compat.vllm_client_post(self.client), self.url, json=payload)
         self.pending[future] = (next(self.order), key, list(prompt_ids))
 
     def step(self) -> list[Finished]:

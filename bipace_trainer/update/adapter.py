@@ -56,6 +56,15 @@ class GRPOAdapter(GRPOTrainer):
     final_rng: dict[str, Any] | None = None  # the generators as the final evaluation began (`save_stopped_end`)
     _checkpoint_staging: str | None = None
 
+    # ------------------------------------------------------------------ TRL's seam for a custom rollout
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's one seam for a custom rollout: the subclass's public `generate_and_score`."""
+        return self.generate_and_score(inputs)
+
+    def generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError("a GRPOAdapter subclass plays and scores a generation batch here")
+
     # ------------------------------------------------------------------ what the rollout gets
 
     @property
@@ -309,7 +318,7 @@ class GRPOAdapter(GRPOTrainer):
             checkpointing.save_atomically(
                 Path(super()._get_output_dir(trial)), state, trl_save, accelerator=self.accelerator,
                 args=self.args, step=self.state.global_step, best_model_checkpoint=self.state.best_model_checkpoint,
-                model_name=getattr(self.model.config, "_name_or_path", "") or "",
+                model_name=getattr(self.model.config, "name_or_path", "") or "",
             )
         finally:
             self.saving_checkpoint = False
