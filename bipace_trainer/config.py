@@ -46,7 +46,7 @@ FIELD_GROUPS = {
         "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
         "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
         "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
-        "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
+        "capture_hidden_states", "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
         "level_weights", "drop_zero_levels", "base_group", "step_return", "normalize_distance", "similarity_merge",
         "similarity_threshold", "milestone_threshold", "pace_evidence", "pace_variance_gate",
     ),
@@ -217,6 +217,9 @@ class BiPACEConfig(GRPOConfig):
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
+    capture_hidden_states (`bool`, False): capture each step's hidden state even when the estimator's
+        partition does not read it (a study that records both partitions on every preset); the run's
+        `HiddenPlan` is chosen once, from this and the partition.
 
     > Parameters that control the multi-turn rollout
 
@@ -381,6 +384,11 @@ class BiPACEConfig(GRPOConfig):
             "help": "hook (during a pass that runs anyway: prefill, or the old-logprob pass under vLLM) "
             "| forward (one extra no-grad pass)."
         },
+    )
+    capture_hidden_states: bool = field(
+        default=False,
+        metadata={"help": "Capture each step's hidden state even where the estimator's partition does not read it "
+                  "(a study recording it); by hidden_capture's route."},
     )
     importance_sampling_level: str | None = field(
         default=None,

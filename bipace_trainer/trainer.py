@@ -3,12 +3,11 @@
     collect (`RolloutCollector`, through `self.policy`) → estimate (`update.scoring`) → TRL's loss
 
 Rows of a generation batch are tasks, each `num_generations` times; the collector plays them through
-`self.policy` (`update.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch
-with the estimator's advantage. What it takes of TRL's internals, and hands back, comes through its base
-`update.adapter.GRPOAdapter`, the one module that touches GRPOTrainer's private names; this one touches
-none (tests/test_seam.py). Everything else (loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is
-TRL's; with `shared_prefix` each shared token prefix is forwarded once in TRL's log-prob passes
-(`update/shared_prefix.py`). Guards: docs/RELIABILITY.md.
+`self.policy` (`update.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch with
+the estimator's advantage. What it takes of TRL's internals comes through its base `update.adapter.GRPOAdapter`
+(the ledger, `trl_compat`, lists each name); this one touches none (tests/test_seam.py). Everything else
+(loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is TRL's; with `shared_prefix` each shared token
+prefix is forwarded once in TRL's log-prob passes (`update/shared_prefix.py`). Guards: docs/RELIABILITY.md.
 
 A plain prompt dataset with `reward_funcs` is a set of one-step episodes, trained with GRPOTrainer's
 own advantage (`update.one_step`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
@@ -71,8 +70,9 @@ class BiPACETrainer(GRPOAdapter):
         peft_config, callbacks, reward_processing_classes, optimizers, quantization_config: TRL's;
         rollout_func: refused (it replaces the generation this trainer plays turn by turn).
 
-    Call `close_envs()` when done. A subclass changes what it needs through `on_rollout`,
-    `evaluate_policy` and `skip_update_without_signal`.
+    Call `close_envs()` when done. A subclass changes what it needs through the documented hooks
+    (docs/architecture.md#hooks): `generate_and_score`, `collect`, `on_scored`, `on_rollout`,
+    `evaluate_policy`, `compute_loss` and `skip_update_without_signal`; never a private method.
     """
 
     _tag_names = ["trl", "bipace", "multi-turn-agent"]
@@ -145,7 +145,7 @@ class BiPACETrainer(GRPOAdapter):
 
     def _build_rollout(self, args: BiPACEConfig, trl_envs: bool, num_user_rewards: int, eval_dataset) -> None:
         """The policy (TRL's generation), the hidden-state plan, the env source and the collector."""
-        needs_hidden = "hidden" in args.estimator.rollout_needs
+        needs_hidden = "hidden" in args.estimator.rollout_needs or args.capture_hidden_states
         if needs_hidden:
             args.cluster_layer = clamp_layer(self.accelerator.unwrap_model(self.model), args.cluster_layer)
         self.hidden_plan = HiddenPlan.choose(needs_hidden, args.hidden_capture, self.use_vllm, args.cluster_layer)
@@ -171,14 +171,8 @@ class BiPACETrainer(GRPOAdapter):
 
     @property
     def needs_hidden(self) -> bool:
-        """The estimator's partition reads hidden states, so the rollout captures them."""
+        """The rollout captures hidden states (the partition reads them, or `capture_hidden_states`)."""
         return self.hidden_plan.source != "none"
-
-    @needs_hidden.setter
-    def needs_hidden(self, value: bool) -> None:
-        """Re-choose the run's `HiddenPlan` (a study that records states the estimator does not read)."""
-        self.hidden_plan = HiddenPlan.choose(value, self.args.hidden_capture, self.use_vllm, self.args.cluster_layer)
-        self.collector.hidden = self.hidden_plan
 
     # ------------------------------------------------------------------ the run
 
@@ -221,20 +215,18 @@ class BiPACETrainer(GRPOAdapter):
     # ------------------------------------------------------------------ the seam
 
     def generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
-        """One generation batch (TRL's `_generate_and_score_completions`, through `GRPOAdapter`): `inputs`'
-        tasks played as multi-turn episodes, scored by the estimator, returned as TRL's batch (one row per
-        env step). A subclass that wraps it sees every generation, training and evaluation alike."""
+        """Hook: one generation batch (TRL's `_generate_and_score_completions`, through `GRPOAdapter`), played
+        as multi-turn episodes and scored: TRL's batch, one row per env step (training and evaluation)."""
         if not self.model.training:  # TRL's evaluate (eval_dataset, eval_strategy)
             return self._eval_batch(inputs)
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
         # max_staleness=1: this generation may have been played during the previous update (`update.overlap`)
         prefetched = self._overlap.take(inputs) if self._overlap is not None else None
-        # a subclass's `_scored_rollout(self, tasks)` (a timing bench's, a recorder's) keeps working without overlap
-        scored = self._scored_rollout(tasks, prefetched) if prefetched is not None else self._scored_rollout(tasks)
+        scored = self.collect(tasks, prefetched)
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is played again on
         # freshly drawn tasks, up to `resample_without_signal` times; every rank draws and decides alike.
         outcome = resampling.resample_until_signal(
-            scored, lambda attempt: self._scored_rollout(self._redraw_tasks(tasks, attempt)),
+            scored, lambda attempt: self.collect(self._redraw_tasks(tasks, attempt)),
             max_attempts=self.args.resample_without_signal, max_seconds=self.args.resample_max_seconds,
             stop_requested=lambda: self._graceful_stop.stop_requested, agree=self._sync.any,
             step=self.state.global_step + 1, log=self.accelerator.is_main_process,
@@ -262,18 +254,26 @@ class BiPACETrainer(GRPOAdapter):
             self._overlap.start_next(inputs)  # the next generation plays while this one trains
         return scored.batch
 
-    def _scored_rollout(self, tasks: list[TaskRef], prefetched: Prefetched | None = None) -> ScoredRollout:
-        """Play `tasks` (or take the `prefetched` rollout of them, `max_staleness=1`) and score it
-        (`scoring.score_rollout`: TRL's batch, the estimator's advantages, whether any rank has signal)."""
+    def collect(self, tasks: list[TaskRef], prefetched: Prefetched | None = None) -> ScoredRollout:
+        """Hook: play `tasks` (or take the `prefetched` rollout of them, `max_staleness=1`) and score it
+        (`scoring.score_rollout`: TRL's batch, the estimator's advantages, whether any rank has signal).
+        Called for every training generation and each resampling of it; ends with `on_scored`. A
+        subclass may wrap it (a bench timing the rollout)."""
         if prefetched is not None:
             played = prefetched.rollout
             self.collector.check_failures(played)  # the guard the foreground collect runs itself
         else:
             played = self.collector.collect("train", tasks, traj_offset=self.accelerator.process_index * len(tasks))
-        return score_rollout(
+        scored = score_rollout(
             played, self.batch_spec, self.estimator, self._sync, self.hidden_plan, self.args.penalize_env_failures,
             prefetched, advantages_of=self.one_step_advantages(self.num_generations),
         )
+        return self.on_scored(scored)
+
+    def on_scored(self, scored: ScoredRollout) -> ScoredRollout:
+        """Hook: each scored training rollout (`collect`'s), before the resampling decision and the update;
+        returns it or a replacement (`scored._replace(...)`)."""
+        return scored
 
     def _eval_batch(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's `evaluate` (`eval_dataset` with `eval_strategy`): its rows played on the eval envs at the

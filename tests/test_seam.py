@@ -204,3 +204,75 @@ def test_cluster_layer_has_one_rule():
         assert resolve_cluster_layer(4, -8) == -4
     with pytest.raises(ValueError, match=r"cluster_layer=5 is out of range .* use -5..4"):
         resolve_cluster_layer(4, 5)
+
+
+# ---------------------------------------------------------------------- subclasses use documented hooks
+
+OUTSIDE = ("bench", "studies", "tests")
+HOOKS = ("generate_and_score", "collect", "on_scored", "on_rollout", "evaluate_policy", "compute_loss")
+
+
+def trainer_private_methods() -> set[str]:
+    """The private methods of our trainer: its own and its adapter's, and every private name of TRL's."""
+    names = trl_private_names()
+    for path in (PACKAGE / "trainer.py", PACKAGE / "update" / "adapter.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names |= {f.name for f in node.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_")}
+    return {name for name in names if not name.startswith("__")}
+
+
+def private_overrides(source: str, private: set[str], ours: set[str]) -> list[str]:
+    """Each method a subclass of one of `ours` (our trainer classes) in `source` defines, and each
+    `setattr(<one of ours>, "name", ...)` (monkeypatch's too), whose name is one of `private`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and {ast.unparse(b).split(".")[-1] for b in node.bases} & ours:
+            found += [f"{f.lineno}: def {f.name}" for f in node.body if isinstance(f, ast.FunctionDef) and f.name in private]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "setattr" and len(node.args) > 1:
+            target, name = ast.unparse(node.args[0]).split(".")[-1], node.args[1]
+            if target in ours and isinstance(name, ast.Constant) and name.value in private:
+                found.append(f"{node.lineno}: setattr {name.value}")
+    return found
+
+
+def our_trainer_classes(sources: list[str]) -> set[str]:
+    """BiPACETrainer, its adapter, and every class of `sources` that derives from one of them (by name)."""
+    ours, classes = {"BiPACETrainer", "GRPOAdapter"}, []
+    for source in sources:
+        classes += [(n.name, {ast.unparse(b).split(".")[-1] for b in n.bases})
+                    for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+    while new := {name for name, bases in classes if bases & ours and name not in ours}:
+        ours |= new
+    return ours
+
+
+def test_the_override_scan_finds_what_it_looks_for():
+    sample = "class T(BiPACETrainer):\n    def _scored_rollout(self):\n        pass\n    def collect(self):\n        pass\n" \
+             "monkeypatch.setattr(T, '_eval_batch', f)\nclass Cache:\n    def _save(self):\n        pass\n" \
+             "monkeypatch.setattr(GRPOTrainer, '_eval_batch', spy)\n"
+    ours = our_trainer_classes([sample])
+    assert ours == {"BiPACETrainer", "GRPOAdapter", "T"}
+    assert private_overrides(sample, {"_scored_rollout", "_eval_batch", "_save"}, ours) == [
+        "2: def _scored_rollout", "6: setattr _eval_batch"]
+
+
+def test_benches_studies_and_tests_override_no_private_method_of_the_trainer():
+    """A bench or a test that overrides a private method is telling us a hook is missing: they use the
+    documented ones (`HOOKS`, docs/architecture.md#hooks)."""
+    private, root = trainer_private_methods(), PACKAGE.parent
+    paths = [path for folder in OUTSIDE for path in sorted((root / folder).rglob("*.py"))]
+    ours = our_trainer_classes([path.read_text() for path in paths])
+    found = {
+        str(path.relative_to(root)): hits for path in paths if (hits := private_overrides(path.read_text(), private, ours))
+    }
+    assert found == {}, found
+    from bipace_trainer import BiPACETrainer
+
+    assert all(callable(getattr(BiPACETrainer, hook)) for hook in HOOKS)
+
+
+def test_the_hidden_plan_is_chosen_once_with_no_setter():
+    from bipace_trainer import BiPACETrainer
+
+    assert BiPACETrainer.needs_hidden.fset is None  # chosen from the config (capture_hidden_states, the partition)

@@ -3,7 +3,7 @@
     scored = score_rollout(played, spec, estimator, sync, hidden_plan, penalize_env_failures, prefetched)
     metrics = generation_metrics(scored, played_episodes, ...)
 
-The trainer collects (`collector`), this scores, TRL's loss trains: `BiPACETrainer._scored_rollout`
+The trainer collects (`collector`), this scores, TRL's loss trains: `BiPACETrainer.collect`
 and `_generate_and_score_completions` are these two calls around the collector's.
 """
 

@@ -151,8 +151,7 @@ class OverlapRecorder(BiPACETrainer):
         self.allreduces_beside_background, self.hooked = [0, 0], False  # DDP's bucket all-reduces: (beside, all)
         self.add_callback(Digests(self))
 
-    def _scored_rollout(self, tasks, prefetched=None):
-        scored = super()._scored_rollout(tasks, prefetched)
+    def on_scored(self, scored):
         if self.model.training:
             self.generations.append({
                 "tasks": sorted({e.task_id for e in scored.rollout.episodes}),

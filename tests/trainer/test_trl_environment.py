@@ -66,8 +66,7 @@ def test_the_same_environment_trains_under_grpo_and_bipace_with_one_word_changed
 class Recording(BiPACETrainer):
     """Keeps each training generation's rollout and the estimator's full estimate (cells included)."""
 
-    def _scored_rollout(self, tasks):
-        scored = super()._scored_rollout(tasks)
+    def on_scored(self, scored):
         self.recorded.append((scored.rollout, scored.estimate))
         return scored
 

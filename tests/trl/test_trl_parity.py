@@ -270,7 +270,9 @@ def _run_script(source: str, model_dir: Path, output_dir: Path, trainer_class, m
     """Execute the script's source; count the generations and their episodes as the trainer makes them,
     and keep each training generation's batch (`trainer.batches`)."""
     generations, batches = [], []
-    original = trainer_class._generate_and_score_completions
+    # ours: its public hook; TRL's: its seam for a custom rollout
+    seam = "generate_and_score" if hasattr(trainer_class, "generate_and_score") else "_generate_and_score_completions"
+    original = getattr(trainer_class, seam)
 
     def counted(self, inputs):
         output = original(self, inputs)
@@ -279,11 +281,11 @@ def _run_script(source: str, model_dir: Path, output_dir: Path, trainer_class, m
             batches.append(output)
         return output
 
-    monkeypatch.setattr(trainer_class, "_generate_and_score_completions", counted)
+    monkeypatch.setattr(trainer_class, seam, counted)
     namespace = {"__name__": "grpo_script"}
     exec(compile(source, str(SCRIPT), "exec"), namespace)  # noqa: S102 - the test's own script file
     trainer = namespace["main"](str(model_dir), str(output_dir), case, **config)
-    monkeypatch.setattr(trainer_class, "_generate_and_score_completions", original)
+    monkeypatch.setattr(trainer_class, seam, original)
     logged = {key for entry in trainer.state.log_history for key in entry}
     trainer.batches = batches
     return trainer, generations, logged
