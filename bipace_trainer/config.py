@@ -294,7 +294,9 @@ class BiPACEConfig(GRPOConfig):
         same log-probs, entropies, loss, gradients and logged metrics as TRL's row-by-row forward under
         every loss setting, checked against it on the first packed forward; rows are packed only where
         a cost model says that forwards fewer FLOPs within the plain path's peak memory. Off (logged
-        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP. See docs/performance.md.
+        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP, and for the update's
+        forward under `top_entropy_quantile` < 1 (its threshold ties break on float rounding). See
+        docs/performance.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,

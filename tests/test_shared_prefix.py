@@ -476,3 +476,25 @@ def test_pieces_are_cut_for_packing_only_where_the_packed_forward_will_run(tmp_p
     with forward.scope():
         runs = forward.pieces(inputs, plain)
     assert runs is not None and len(runs) < len(plain) and sorted(r for run in runs for r in run) == list(range(14))
+
+
+def test_the_estimate_is_what_the_update_forwards(tmp_path):
+    """`estimate` (the bench's `--plan-only`) forwards nothing and reports what the update then forwarded: the
+    packed side's tokens and FLOPs are the forward's own counters, the plain side's are TRL's pieces'."""
+    from bipace_trainer.micro_batches import length_order, take_rows
+
+    trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
+    inputs, forward = _micro_batch(), trainer.shared_prefix
+    _step(trainer, inputs)  # the first update: the first-use check, on the plain pieces
+    plain = length_order(inputs, 2)
+    with forward.scope():
+        runs = forward.pieces(inputs, plain)
+        estimated = forward.estimate(take_rows(inputs, runs), packed=True)
+        before = dict(forward.stats)
+        _step(trainer, inputs)
+    assert runs is not None and estimated["tokens"] == forward.stats["tokens_shared"] - before["tokens_shared"]
+    assert estimated["flops"] == pytest.approx(forward.stats["flops_shared"] - before["flops_shared"])
+    baseline = forward.estimate(take_rows(inputs, plain), packed=False)
+    assert baseline["tokens"] == sum(p["prompt_ids"].numel() + p["completion_ids"].numel()
+                                     for p in take_rows(inputs, plain))
+    assert estimated["flops"] < 0.75 * baseline["flops"] and estimated["memory"] <= 1.05 * baseline["memory"]

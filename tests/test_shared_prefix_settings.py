@@ -169,7 +169,7 @@ def test_every_loss_setting_equals_the_plain_path(tmp_path, setting, batch, capl
         assert on_loss == pytest.approx(off_loss, rel=RTOL, abs=ATOL)
         assert on_grads.keys() == off_grads.keys() and on_grads
         for name in off_grads:
-            torch.testing.assert_close(on_grads[name], off_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(on_grads[name], off_grads[name], rtol=RTOL, atol=ATOL, msg=name)
         assert on_metrics.keys() == off_metrics.keys() and "entropy" in on_metrics
         for key in off_metrics:
             torch.testing.assert_close(torch.tensor(on_metrics[key]), torch.tensor(off_metrics[key]), rtol=RTOL,

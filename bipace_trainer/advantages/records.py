@@ -152,8 +152,10 @@ class StepBatch:
     Construct it with tensors or plain sequences: string anchors and action keys are
     factorised to ids. `anchor` is needed by the `hash` partition, `hidden` by the
     `hidden` partition, `action_key` by the `pace_*` baselines (each partition says
-    what it reads: `partition.PARTITIONS`). `truncated` defaults to all False (every
-    trajectory ended by the env); only `bootstrap_truncated` reads it.
+    what it reads: `partition.PARTITIONS`), `milestone` (or `milestone_plan` with
+    `action_text`) by the `segment` partition and the milestone return (BEACON's).
+    `truncated` defaults to all False (every trajectory ended by the env); only
+    `bootstrap_truncated` reads it.
     """
 
     group: torch.Tensor

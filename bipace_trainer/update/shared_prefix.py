@@ -627,6 +627,25 @@ class SharedPrefixForward:
         self.stats["regrouped"] += 1
         return grouped
 
+    def estimate(self, pieces: list[dict[str, Any]], packed: bool) -> dict[str, float]:
+        """The cost model's view of an update's pieces (`micro_batches.take_rows`), forwarding nothing (the
+        bench's `--plan-only`, and its estimates beside what it measures): tokens and FLOPs over all forwards
+        and the largest forward's peak memory, of TRL's forward (`packed` False) or of the forwards this one
+        would run (True: as `_runs` decides, so after the first-use check and with gradients enabled)."""
+        size, costs = self.trainer.args.per_device_train_batch_size, []
+        for piece in pieces:
+            keep = piece["completion_ids"].size(1)
+            ids = torch.cat([piece["prompt_ids"], piece["completion_ids"]], dim=1)
+            parsed = row_sequences(ids, torch.cat([piece["prompt_mask"], piece["completion_mask"]], dim=1), keep)
+            if parsed is None:
+                raise ValueError("estimate: a piece's mask has a gap; the shared-prefix forward would not pack it")
+            rows = _Rows(*parsed, ids.size(1), keep, ids.device)
+            runs = self._runs(rows, size) if packed else [_Run(list(range(len(rows.sequences))))]
+            costs += [packed_cost(run.plan, self.attention, self.shape.heads) if run.plan is not None
+                      else self._plain_cost(rows, run.rows, size) for run in runs]
+        total = _total(costs, False)
+        return {"tokens": total.tokens, "flops": total.flops(self.shape), "memory": total.memory(self.shape)}
+
     def _piece_cost(self, rows: _Rows, piece: list[int]) -> Cost:
         """A plain piece's one forward, its columns trimmed to its own rows (`micro_batches.take_rows`)."""
         prompts = [rows.prompt_lengths[r] for r in piece]

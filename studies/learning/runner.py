@@ -23,6 +23,7 @@ from bench import common
 from studies.learning.plan import rl_config
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator, resolve_settings
+from bipace_trainer.run.callbacks import TrainingInterrupted
 from bipace_trainer.run.demonstrations import collect_demonstrations
 from bipace_trainer.models import load_tokenizer, resolve_model_name
 from envs.base import resolve_env_class
@@ -142,6 +143,7 @@ def rl_job(job: dict[str, Any]) -> dict[str, Any]:
                                     processing_class=tokenizer)
     try:
         trainer.train()
+        refuse_interrupted(trainer, f"{preset} seed {seed}")
         evals = [dict(e, split=plan.eval_splits[0]) for e in trainer.eval_history]
         evals = [{k: e.get(k) for k in ("split", "step", "success_rate", "episode_length", "per_type")} for e in evals]
         evals += [evaluate(trainer, split, "final") for split in plan.eval_splits[1:]]
@@ -161,6 +163,15 @@ def rl_job(job: dict[str, Any]) -> dict[str, Any]:
         "seconds": time.perf_counter() - start,
         "machine": common.machine(),  # a resumed study's runs may come from different hosts
     }
+
+
+def refuse_interrupted(trainer, name: str) -> None:
+    """A SIGTERM makes the trainer stop gracefully after the step in flight, and `train` returns:
+    recorded as a finished run, its short curve would be reused by `--resume` and pooled with full
+    runs. Stop the study instead (`TrainingInterrupted`, a BaseException: nothing catches it)."""
+    if trainer.interrupted:
+        raise TrainingInterrupted(f"{name}: a SIGTERM stopped it at step {trainer.state.global_step} of "
+                                  f"{trainer.state.max_steps}; not recorded (rerun the study with --resume)")
 
 
 def run_jobs(fn, jobs: list[dict[str, Any]], workers: int, paths: list[Path], reuse: bool) -> list[dict[str, Any]]:

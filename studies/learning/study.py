@@ -69,6 +69,9 @@ def parse_args(argv=None):
                         help="run seeds N … N+seeds-1 (default 0): to extend a study, or run its seeds on two machines")
     parser.add_argument("--rl-steps", type=int, help="override every env's RL steps")
     parser.add_argument("--sft-steps", type=int, help="override every env's SFT (warm-start) steps")
+    parser.add_argument("--validation-only", action="store_true",
+                        help="evaluate only the validation split during training, not the other splits at the end: "
+                             "short runs compared at a step with --rl-steps (the first steps are the full runs')")
     parser.add_argument("--model", help="model id or path instead of the size's (None = tiny random Qwen2)")
     parser.add_argument("--jobs", type=int, help="runs in parallel (default: the size's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -99,6 +102,8 @@ def resolve_size(args) -> Size:
     envs = {name: plan for name, plan in size.envs.items() if not args.envs or name in args.envs}
     steps = {k: v for k, v in (("rl_steps", args.rl_steps), ("sft_steps", args.sft_steps)) if v}
     envs = {name: dataclasses.replace(plan, **steps) for name, plan in envs.items()}
+    if args.validation_only:  # the splits evaluated only at the end cost time and change nothing before it
+        envs = {name: dataclasses.replace(plan, eval_splits=plan.eval_splits[:1]) for name, plan in envs.items()}
     overrides = {k: v for k, v in (("seeds", args.seeds), ("jobs", args.jobs), ("model", args.model)) if v}
     return dataclasses.replace(size, envs=envs, **overrides)
 
