@@ -601,15 +601,6 @@ class BiPACEConfig(GRPOConfig):
                 "weighted sum) to its steps; set multi_objective_aggregation='sum_then_normalize'."
             )
 
-    def set_one_step_estimator(self) -> None:
-        """Plain prompts: the prompt is the only state, shared by the group, so the estimator is the episode
-        term alone (GRPOTrainer's advantage, `update.one_step`, replaces it); a graph preset's step return,
-        which needs cells, goes with the step term."""
-        self.estimator = dataclasses.replace(
-            self.estimator, step_partition="none", step_baseline=None, w_ep=1.0, w_step=0.0, context_levels=0,
-            step_return="discounted", normalize_distance=False, similarity_merge=False,
-        )
-
     # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
     # returns) skips the checks that touch the machine (a GPU for bf16) or the env's data (listing
     # ALFWorld's tasks generates its games); they wait for the run.

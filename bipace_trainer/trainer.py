@@ -33,12 +33,13 @@ from .config import BiPACEConfig
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import write_model_card
 from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
-from .rollout.hidden import HiddenPlan, clamp_layer
+from .rollout.hidden import HiddenPlan
 from .rollout.loop import Rollout, TaskRef
 from .rollout.tool_envs import check_environment_factory, check_milestones
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
+from .run.plan import derive_plan
 from .update import memory
 from .update.adapter import GRPOAdapter
 from .update.overlap import Prefetched, RolloutOverlap, check_overlap
@@ -124,11 +125,13 @@ class BiPACETrainer(GRPOAdapter):
             environment_factory=environment_factory,
         )
         self.one_step = plain_prompts
+        # derived once, never written into `args`: two trainers of one config are independent (`run.plan`)
+        self.plan = derive_plan(args, one_step=plain_prompts, model=self.accelerator.unwrap_model(self.model),
+                                use_vllm=self.use_vllm)
         if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`update.one_step`)
-            args.set_one_step_estimator()
             logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
                         "has no step term to add where the prompt is the only state).")
-        self.estimator = StepAdvantageEstimator(args.estimator)
+        self.estimator = StepAdvantageEstimator(self.plan.estimator)
         self.cap_turns(args.max_turn_length)
         self._build_rollout(args, trl_envs, len(user_rewards), eval_dataset)
         self.eval_history: list[dict[str, Any]] = []
@@ -145,10 +148,7 @@ class BiPACETrainer(GRPOAdapter):
 
     def _build_rollout(self, args: BiPACEConfig, trl_envs: bool, num_user_rewards: int, eval_dataset) -> None:
         """The policy (TRL's generation), the hidden-state plan, the env source and the collector."""
-        needs_hidden = "hidden" in args.estimator.rollout_needs or args.capture_hidden_states
-        if needs_hidden:
-            args.cluster_layer = clamp_layer(self.accelerator.unwrap_model(self.model), args.cluster_layer)
-        self.hidden_plan = HiddenPlan.choose(needs_hidden, args.hidden_capture, self.use_vllm, args.cluster_layer)
+        self.hidden_plan = self.plan.hidden
         self.policy = TRLPolicy(self.trl_generation())
         self.batch_spec = self.trl_batch_spec(mask_cut_episodes=trl_envs and not self.one_step)
         if trl_envs:
@@ -391,7 +391,7 @@ class BiPACETrainer(GRPOAdapter):
             write_model_card(
                 Path(output_dir or self.args.output_dir), self.args, self.model, model_name, steps=self.state.global_step,
                 source=self.collector.source, eps=self.estimator.eps_in_use, eval_history=self.eval_history,
-                recipe=getattr(self, "recipe", None),
+                recipe=getattr(self, "recipe", None), estimator=self.plan.estimator, cluster_layer=self.plan.cluster_layer,
             )
 
     def close_envs(self) -> None:

@@ -362,9 +362,9 @@ def test_scale_rewards_is_the_estimators_normalisation(scale, norm):
 @pytest.mark.parametrize("preset", ["grpo", "bipace_q", "hgpo", "graphgpo", "bigraphgpo"])
 def test_plain_prompts_take_the_episode_term_of_every_preset(preset):
     """Plain prompts (one-step episodes): every preset, the graph ones included, becomes its episode term."""
-    config = BiPACEConfig(**COMMON, preset=preset)
-    config.set_one_step_estimator()
-    s = config.estimator
+    from bipace_trainer.run.plan import one_step_settings
+
+    s = one_step_settings(BiPACEConfig(**COMMON, preset=preset).estimator)
     assert (s.step_partition, s.step_baseline, s.w_ep, s.w_step, s.step_return) == ("none", None, 1.0, 0.0, "discounted")
 
 
