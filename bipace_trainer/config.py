@@ -602,13 +602,12 @@ class BiPACEConfig(GRPOConfig):
             )
 
     # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
-    # returns) skips the checks that touch the machine (a GPU for bf16) or the env's data (listing
-    # ALFWorld's tasks generates its games); they wait for the run.
+    # returns) skips the check that touches the machine (a GPU for bf16); it waits for the run.
     printing_only: ClassVar[bool] = False
 
     @classmethod
     def for_printing(cls) -> type:
-        """This config's class with the machine and data checks skipped: what `--print_config` parses into."""
+        """This config's class with the machine check skipped: what `--print_config` parses into."""
         return type(f"Printed{cls.__name__}", (cls,), {"printing_only": True, "__doc__": cls.__doc__})
 
     def __post_init__(self):
@@ -811,24 +810,8 @@ class BiPACEConfig(GRPOConfig):
             ) from None
         except ValueError:  # no introspectable signature (a builtin or C factory): the env build will tell
             pass
-        if self.printing_only:  # listing tasks can build data (ALFWorld generates its games)
-            return
-        for name in ("train_split", "eval_split"):
-            split = getattr(self, name)
-            try:
-                specs = env_class.tasks(split, **self.env_kwargs)
-            except EnvUnavailableError as err:
-                raise EnvUnavailableError(f"env_name={self.env_name!r}: {err}") from None
-            except Exception as err:
-                raise ValueError(
-                    f"env_kwargs={self.env_kwargs!r}: {env_class.__name__}.tasks({split!r}) raised "
-                    f"{type(err).__name__}: {err}; fix the values."
-                ) from None
-            if not specs:
-                raise ValueError(
-                    f"{name}={split!r} of {self.env_name!r} has no tasks with env_kwargs={self.env_kwargs!r}; "
-                    "pick another split or other env_kwargs."
-                )
+        # Listing the splits' tasks is env I/O (ALFWorld generates its games): the trainer and bipace-train's
+        # pre-flight do it, before any model loads (`rollout.collector.check_env_tasks`), never a config's build.
 
     def _check_milestones(self) -> None:
         """An estimator that reads milestones (BEACON's) needs an env that gives them (`envs.base`, "Milestones")."""

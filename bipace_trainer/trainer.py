@@ -32,7 +32,9 @@ from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import write_model_card
-from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
+from .rollout.collector import (
+    RolloutCollector, TextEnvSource, ToolEnvSource, check_env_tasks, env_reward, sharded_forward, task_dataset,
+)
 from .rollout.hidden import HiddenPlan
 from .rollout.loop import Rollout, TaskRef
 from .rollout.tool_envs import check_environment_factory, check_milestones
@@ -104,6 +106,8 @@ class BiPACETrainer(GRPOAdapter):
         args = BiPACEConfig.for_trainer(model, args, rollout_func, reward_funcs, trl_envs, train_dataset)
         trl_compat.verify_ledger(args.use_vllm)  # every private name we borrow is there, before the model loads
         plain_prompts = args.plain_prompts(reward_funcs, trl_envs)
+        if not (trl_envs or plain_prompts):  # our env's splits list tasks (env I/O: here, not in the config)
+            check_env_tasks(args.env_name, args.env_kwargs, {"train_split": args.train_split, "eval_split": args.eval_split})
         trl_envs = trl_envs or plain_prompts  # scored by TRL's reward_funcs
         check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         check_milestones(environment_factory, needed=trl_envs and not plain_prompts and args.estimator.uses_milestones)
@@ -126,11 +130,9 @@ class BiPACETrainer(GRPOAdapter):
         )
         self.one_step = plain_prompts
         # derived once, never written into `args`: two trainers of one config are independent (`run.plan`)
-        self.plan = derive_plan(args, one_step=plain_prompts, model=self.accelerator.unwrap_model(self.model),
-                                use_vllm=self.use_vllm)
+        self.plan = derive_plan(args, plain_prompts, self.accelerator.unwrap_model(self.model), self.use_vllm)
         if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`update.one_step`)
-            logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
-                        "has no step term to add where the prompt is the only state).")
+            logger.info(f"Plain prompts: one-step episodes, GRPOTrainer's advantage (preset={args.preset!r} has no step term).")
         self.estimator = StepAdvantageEstimator(self.plan.estimator)
         self.cap_turns(args.max_turn_length)
         self._build_rollout(args, trl_envs, len(user_rewards), eval_dataset)
@@ -156,16 +158,14 @@ class BiPACETrainer(GRPOAdapter):
             source = ToolEnvSource(self.tool_env_setup(num_user_rewards), args, num_user_rewards, eval_rows)
         else:
             source = TextEnvSource(args)
-        self.collector = RolloutCollector(
-            self.policy, source, args, self.accelerator, self.hidden_plan, sharded=self.sharded_forward
-        )
+        self.collector = RolloutCollector(self.policy, source, args, self.accelerator, self.hidden_plan,
+                                          sharded=self.sharded_forward)
         self._sync = self.collector.sync
         self.shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
 
     def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
-        """`max_staleness=1`'s background rollouts (`update.overlap`), where nothing on the
-        background thread would have to run with the other ranks."""
+        """`max_staleness=1`'s background rollouts (`update.overlap`), where no forward waits for other ranks."""
         check_overlap(sharded_forward(self.accelerator, getattr(self, "is_fsdp_enabled", False)), trl_envs)
         return RolloutOverlap(self.collector, self.batch_spec, lambda: self.state.global_step, self.num_generations)
 

@@ -202,6 +202,15 @@ def check_run(training_args, model_args) -> None:
         trl_compat.verify_ledger(training_args.use_vllm and importlib.util.find_spec("vllm") is not None)
     except trl_compat.LedgerError as error:
         raise ConfigError(str(error)) from None
+    from bipace_trainer.rollout.collector import check_env_tasks  # datasets, accelerate: past --help
+    from envs.base import EnvUnavailableError
+
+    try:  # the env's splits list tasks: env I/O, done here (and by the trainer), not when the config is built
+        training_args.require_env()
+        check_env_tasks(training_args.env_name, training_args.env_kwargs,
+                        {"train_split": training_args.train_split, "eval_split": training_args.eval_split})
+    except (ValueError, EnvUnavailableError) as error:
+        raise ConfigError(str(error)) from None
     if training_args.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             'use_vllm=True but vLLM is not installed: pip install -e ".[vllm]" (a GPU; on a CPU see '

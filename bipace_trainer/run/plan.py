@@ -50,7 +50,7 @@ def one_step_settings(settings: EstimatorSettings) -> EstimatorSettings:
     )
 
 
-def derive_plan(args, *, one_step: bool, model: nn.Module, use_vllm: bool) -> RunPlan:
+def derive_plan(args, one_step: bool, model: nn.Module, use_vllm: bool) -> RunPlan:
     """The plan of a run of `args` (a `BiPACEConfig`, read only) on `model` (unwrapped)."""
     estimator = one_step_settings(args.estimator) if one_step else args.estimator
     needs_hidden = "hidden" in estimator.rollout_needs or args.capture_hidden_states
