@@ -15,7 +15,7 @@ works unchanged, one that moves them fails in this file, with the patch's name, 
 somewhere else). A library that is not installed is not checked (vLLM is optional).
 
 No patch is applied at import, and none outlives the trainer that needs it, so a plain
-`GRPOTrainer` in the same process runs TRL's own code (`tests/test_trl_compat.py`):
+`GRPOTrainer` in the same process runs TRL's own code (`tests/update/test_trl_compat.py`):
 
 - Process-wide, where TRL reads a module global at call time and offers no per-instance seam:
   context managers that set the global and put TRL's own value back on exit. `BiPACETrainer.train`
@@ -445,7 +445,7 @@ def labelled_positions_on_cpu(device) -> Iterator[bool]:
     whether to gather the labelled positions before its tiles; inside the scope the answer is
     yes for a CPU too (the tiles still fold in torch: the kernel module's own `_use_triton` is
     left alone). Log-probs, entropies and gradients equal the all-positions path's to float
-    rounding (`tests/test_memory.py`). Yields whether the answer was changed."""
+    rounding (`tests/update/test_memory.py`). Yields whether the answer was changed."""
     if not _is_cpu(device):
         yield False
         return

@@ -134,3 +134,10 @@ def test_the_suites_long_files_name_test_files():
     for name in LONG_FILES:
         path = ROOT / name
         assert path.is_file() and path.name.startswith("test_"), f"LONG_FILES in tests/conftest.py: {name} is not a test file"
+
+
+@pytest.mark.parametrize("name", SUBPACKAGES)
+def test_the_tests_mirror_the_package(name):
+    # a subpackage's tests live in tests/<subpackage>/, so the tree shows where each one is tested
+    folder = ROOT / "tests" / name
+    assert (folder / "__init__.py").is_file() and any(folder.glob("test_*.py")), f"tests/{name}/ holds no tests"

@@ -39,20 +39,19 @@ from . import trajectories
 from .hidden import HiddenPlan
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .policy import Policy
-from .sync import SUMMED_OVER_RANKS, CrossRankSync  # noqa: F401  (importable from here, as before)
+from .sync import CrossRankSync
 from .tool_envs import PromptAdapter, ToolEnvAdapter, ToolEnvSetup, ToolSession
 from .vllm_backend import equal_prompt_counts
 from .vllm_stream import StreamTurns
 
 __all__ = [
     "RolloutCollector",
-    "CrossRankSync",
     "TextEnvSource",
     "ToolEnvSource",
     "task_dataset",
+    "check_env_tasks",
     "env_reward",
     "MAX_ALL_FAILED_GENERATIONS",
-    "SUMMED_OVER_RANKS",
 ]
 
 # A run stops once every episode of this many generations in a row failed (env broken, not flaky).

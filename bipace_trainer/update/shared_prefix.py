@@ -58,7 +58,7 @@ metrics do not depend on the pieces.
 
 **Exactness.** The same tokens at the same relative positions: log-probs, entropies, the loss, the
 gradients and every logged metric equal the plain path's to float rounding under every loss setting
-(tests/test_shared_prefix.py, tests/test_shared_prefix_settings.py, and 2 processes in
+(tests/update/test_shared_prefix.py, tests/update/test_shared_prefix_settings.py, and 2 processes in
 tests/trainer/test_shared_prefix_distributed.py). A left-padded row sits at other absolute positions
 in the plain path; for rotary positions only relative ones count. The first packed forward is checked
 against the plain path on its rows (at most a plain forward's, eval mode, no gradients), and a mismatch

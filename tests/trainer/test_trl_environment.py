@@ -19,7 +19,7 @@ from trl import GRPOConfig, GRPOTrainer
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.models import load_tokenizer
 
-from tests.test_tool_envs import BrokenLamps
+from tests.rollout.test_tool_envs import BrokenLamps
 from tests.trainer.tool_setup import Lamps, make_model, make_tokenizer, prompt_dataset, warm_start
 
 # What a TRL user passes, the same for both trainers.

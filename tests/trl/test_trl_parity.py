@@ -34,7 +34,7 @@ from bipace_trainer.rollout.hidden import clamp_layer
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.rollout.tool_envs import check_environment_factory
 from bipace_trainer.update.metrics import EpisodeSummary, processed_token_count, trl_metrics, trl_token_count
-from tests.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
+from tests.rollout.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
 from tests.trainer.tool_setup import Lamps
 from tests.trl.thermostat import Thermostat, prompt_dataset
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from bipace_trainer.update import packed_attention
 from bipace_trainer.update.packed_attention import Cluster, SegmentLayout, segment_attention
 from bipace_trainer.update.shared_prefix import attention_mask_4d, plan_layout
-from tests.test_shared_prefix import group_rows_of_a_task, layout, tiny_model, tool_episodes
+from tests.update.test_shared_prefix import group_rows_of_a_task, layout, tiny_model, tool_episodes
 
 
 def reference(query, key, value, segment, groups):

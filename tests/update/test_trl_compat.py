@@ -16,7 +16,7 @@ import torch
 
 from bipace_trainer import trl_compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The modules and classes whose attributes TRL's GRPO reads while it trains (and the ones a patch touches).
 TRL_MODULES = ("trl.trainer.utils", "trl.kernels.chunked_logprob", "trl.trainer.grpo_trainer", "trl.generation.vllm_generation")
 
@@ -225,7 +225,7 @@ def test_a_grpo_trainer_after_a_bipace_trainer_is_trls_own(tmp_path):
 
     logs = plain_grpo_logs(str(tmp_path / "theirs"))
     code = (
-        "import json, sys; from tests.test_trl_compat import plain_grpo_logs; "
+        "import json, sys; from tests.update.test_trl_compat import plain_grpo_logs; "
         f"logs = plain_grpo_logs({str(tmp_path / 'fresh')!r}); "
         "assert 'bipace_trainer.trainer' not in sys.modules and 'bipace_trainer.update.memory' not in sys.modules; "
         "print(json.dumps(logs))"
