@@ -342,7 +342,8 @@ class BiPACETrainer(GRPOAdapter):
 
     def evaluate_policy(self, tag: str = "manual", split: str | None = None) -> dict[str, Any]:
         """Success rate on the held-out tasks of `split` (default `eval_split`) at `eval_temperature`,
-        overall and per task type (`evaluation.play_evaluation`): logged, appended to `eval_history` and
+        overall and per task type (`evaluation.play_evaluation`, sampling from `seed`: every evaluation
+        draws the same stream, which `bipace-eval OUTPUT_DIR` replays): logged, appended to `eval_history` and
         `<output_dir>/eval_results.json`, and returned. Every rank must call it. The evaluation
         callbacks call it with tag "before", "interval" and "final"; a subclass may override it.
         A "final" result is logged at once (the run is ending), the others with the next training log."""
@@ -352,7 +353,7 @@ class BiPACETrainer(GRPOAdapter):
         self.final_rng = checkpointing.rng_state() if tag == "final" else None  # where a stopped one resumes
         result = evaluation.play_evaluation(
             self.collector, self.eval_task_refs(split), temperature=self.args.eval_temperature,
-            step=self.state.global_step, tag=tag, split=split, model=self.model,
+            step=self.state.global_step, tag=tag, split=split, seed=self.args.seed, model=self.model,
         )
         if result:
             evaluation.keep_result(

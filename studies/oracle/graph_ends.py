@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source scripted --env textcraft
     OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source scripted --env alfworld
     OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source model --env textcraft
-    OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source model --env alfworld --max-turns 20
+    OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source model --env alfworld --max-turns 15
     python -m studies.oracle.graph_ends --report studies/oracle/results/graph_ends/*.json
 
 GraphGPO's graph joins the steps of a task group into one state graph; a failed trajectory's
@@ -19,7 +19,8 @@ rule to the other, on real play:
   rollouts per task, the oracle study's turn budgets (TextCraft 30, ALFWorld 50);
 - `--source model`: the embedded SmolLM2-135M-Instruct, played by the trainer's own rollout
   collector (`BiPACETrainer.collector`, no update) with `python train.py`'s settings and warm start:
-  TextCraft's shipped adapter, ALFWorld's trained here by `--warm_start_steps` (the CLI's code).
+  TextCraft's shipped adapter, ALFWorld's trained here by `--warm_start_steps` (the CLI's code)
+  or one an earlier run trained (`--warm-start-from`).
 
 Env-failed episodes leave the batch as they do in training (`penalize_env_failures=False`).
 Writes one JSON per (source, env) under `--out` with every batch's counts and the machine.

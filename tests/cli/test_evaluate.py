@@ -37,7 +37,7 @@ def test_each_env_gets_the_papers_protocol_and_flags_override_it():
     [
         (["a", "b", "c"], "models: give one model, or two"),
         (["a", "--seeds", "1", "1"], "--seeds: must not repeat"),
-        (["a", "--chunk_size", "0"], "--chunk_size: must be >= 1"),
+        (["a", "--chunk_size", "-1"], "--chunk_size: must be >= 0"),
         (["a", "--env_kwargs", "[1]"], "--env_kwargs: must be a JSON object"),
         (["a", "--vllm_mode", "server"], "--vllm_mode: vLLM settings without --use_vllm; add --use_vllm or drop them"),
         (["a", "--vllm_max_model_length", "512", "--vllm_gpu_memory_utilization", "0.5"],
@@ -252,6 +252,29 @@ def test_a_runs_output_dir_is_evaluated_with_the_runs_own_settings(tmp_path):
     other_env = evaluate.parse_args([str(run), "--env", "webshop"])  # the run's settings are textcraft's
     assert (other_env.split, other_env.max_turns, other_env.history_length) == (["test"], 15, 2)
     assert evaluate.parse_args(["some/hub-id"]).max_turns == 30  # nothing saved: the protocol
+
+
+def test_a_run_that_recorded_its_seed_is_replayed_on_it_and_more_seeds_only_when_asked(tmp_path):
+    run = _a_run(tmp_path / "run", MAIN_JOB | {"seed": 7, "rollout_batch_size": 3, "generation": {"top_k": 5}})
+    got = evaluate.parse_args([str(run)])
+    assert (got.seeds, got.chunk_size, got.rollout_batch_size, got.generation) == ([7], 0, 3, {"top_k": 5})
+    assert got.replays["tag"] == "final"  # the run's final evaluation, played again on its seed in one chunk
+    assert evaluate.seeds_line(got).startswith("seed 7, the one the run's final evaluation sampled with")
+    more = evaluate.parse_args([str(run), "--seeds", "123", "456", "789"])
+    assert more.replays is None and more.seeds == [123, 456, 789] and more.chunk_size == 0
+    assert evaluate.seeds_line(more).startswith("seeds 123 456 789, asked for (the run's final evaluation sampled seed 7")
+    for flags in (["--temperature", "1.0"], ["--tasks", "4"], ["--chunk_size", "2"], ["--rollout_batch_size", "1"]):
+        assert evaluate.parse_args([str(run), *flags]).replays is None, flags  # another evaluation than the run's
+    old = evaluate.parse_args([str(_a_run(tmp_path / "old", MAIN_JOB))])  # a run from before seeds were recorded
+    assert (old.seeds, old.chunk_size, old.replays) == ([123, 456, 789], 64, None)
+    assert "recorded no evaluation seed" in evaluate.seeds_line(old)
+    assert evaluate.parse_args(["some/hub-id"]).replays is None
+
+
+def test_the_replay_prints_the_summary_line_and_its_own_in_one_format(tmp_path):
+    final = {"tag": "final", "success_rate": 0.5, "num_tasks": 8, "valid_action_rate": 1.0}
+    lines = evaluate.replay_lines(final, {"episodes": 8, "success_rate": 0.5}).splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == ["0.500 (4 of 8 episodes, 95% CI 0.215-0.785)"] * 2
 
 
 def test_a_checkpoint_without_evaluations_gives_its_runs_config(tmp_path):

@@ -29,7 +29,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 needs_chromium = pytest.mark.skipif(
     not (Path(CHROMIUM).is_file() or shutil.which(CHROMIUM)),
-    reason=f"no Chromium at {CHROMIUM}: apt-get update && apt-get install -y chromium (or set BIPACE_CHROMIUM)",
+    reason=f"no Chromium at {CHROMIUM}: install Debian's chromium (apt-get update && apt-get install -y chromium), "
+    "or set BIPACE_CHROMIUM to a Chromium binary",
 )
 
 

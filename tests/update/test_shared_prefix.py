@@ -332,7 +332,7 @@ def test_the_trainers_loss_and_gradient_equal_the_plain_paths(tmp_path, loss_typ
     assert on_loss == pytest.approx(off_loss, rel=1e-5, abs=1e-7)
     assert on_grad.keys() == off_grad.keys() and on_grad
     for name in off_grad:
-        torch.testing.assert_close(on_grad[name], off_grad[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(on_grad[name], off_grad[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
