@@ -170,8 +170,7 @@ class BiPACETrainer(GRPOAdapter):
         return RolloutOverlap(self.collector, self.batch_spec, lambda: self.state.global_step, self.num_generations)
 
     @property
-    def needs_hidden(self) -> bool:
-        """The rollout captures hidden states (the partition reads them, or `capture_hidden_states`)."""
+    def needs_hidden(self) -> bool:  # the rollout captures hidden states (the partition reads them, or asked)
         return self.hidden_plan.source != "none"
 
     # ------------------------------------------------------------------ the run
