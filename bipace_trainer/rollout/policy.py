@@ -42,7 +42,7 @@ from .. import trl_compat
 
 __all__ = [
     "Completions", "Policy", "ModelPolicy", "VLLMPolicy", "fit_to_context", "generation_config_for", "cut_after_eos",
-    "eos_token_ids_of", "all_encoded",
+    "eos_token_ids_of", "all_encoded", "vllm_temperature",
 ]
 
 _CUT_MARKER = "\n[... cut to fit the context ...]\n"
@@ -91,6 +91,17 @@ def cut_after_eos(completions: torch.Tensor, eos_token_ids: list[int]) -> list[l
     eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
     keep = torch.arange(is_eos.size(1), device=completions.device).expand(is_eos.size(0), -1) <= eos_idx.unsqueeze(1)
     return [c[m].tolist() for c, m in zip(completions.cpu(), keep.cpu())]
+
+
+@contextlib.contextmanager
+def vllm_temperature(generation, temperature: float):
+    """TRL's `VLLMGeneration` samples at `temperature` for the scope (vLLM has no do_sample switch: 0 is 1e-5)."""
+    saved = generation.temperature
+    generation.temperature = max(temperature, 1e-5)
+    try:
+        yield
+    finally:
+        generation.temperature = saved
 
 
 def all_encoded(rollout) -> dict[str, int]:
@@ -258,14 +269,8 @@ class VLLMPolicy(ModelPolicy):
         self.vllm_generation = generation
         self.pushed = False
 
-    @contextlib.contextmanager
     def sampling(self, temperature: float):
-        saved = self.vllm_generation.temperature
-        self.vllm_generation.temperature = max(temperature, 1e-5)  # vLLM has no do_sample switch
-        try:
-            yield
-        finally:
-            self.vllm_generation.temperature = saved
+        return vllm_temperature(self.vllm_generation, temperature)
 
     def prompt_reuse(self, rollout) -> dict[str, int]:
         return {}  # the engine's prefix cache is its own business here

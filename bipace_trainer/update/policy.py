@@ -19,7 +19,7 @@ from trl.models import unwrap_model_for_generation
 
 from .. import trl_compat
 from ..rollout.prefix_cache import PrefixReuse, supports_prefix_reuse
-from ..rollout.policy import Policy, all_encoded
+from ..rollout.policy import Policy, all_encoded, vllm_temperature
 from ..rollout.vllm_backend import PrefixCacheCounter, WeightSyncs
 
 __all__ = ["TRLGeneration", "TRLPolicy"]
@@ -159,12 +159,8 @@ class TRLPolicy(Policy):
     def sampling(self, temperature: float):
         trl = self.trl
         if self.use_vllm:
-            saved = trl.vllm_generation.temperature
-            trl.vllm_generation.temperature = max(temperature, 1e-5)  # vLLM has no do_sample switch
-            try:
+            with vllm_temperature(trl.vllm_generation, temperature):
                 yield
-            finally:
-                trl.vllm_generation.temperature = saved
             return
         sampling = {"temperature": temperature or 1.0, "do_sample": temperature > 0}
         saved = {key: getattr(trl.generation_config, key) for key in sampling}
