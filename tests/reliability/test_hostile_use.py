@@ -411,6 +411,10 @@ def test_report_to_all_without_a_wandb_key_is_one_line(monkeypatch, tmp_path):
 def test_a_webshop_reward_setting_is_checked_before_the_model_loads(tmp_path):
     pytest.importorskip("bm25s")
     pytest.importorskip("rapidfuzz")
-    with pytest.raises(ValueError, match=r"env_kwargs=.*reward='bogus'; use 'score'"):
-        BiPACEConfig(output_dir=str(tmp_path), use_cpu=True, env_name="webshop",
-                     env_kwargs={"reward": "bogus", "cache_dir": str(tmp_path / "shop")})  # fmt: skip
+    from trl import ModelConfig
+
+    # listing the split's tasks checks it: env I/O, so the pre-flight does it (the config builds), one line
+    config = BiPACEConfig(output_dir=str(tmp_path), use_cpu=True, env_name="webshop",
+                          env_kwargs={"reward": "bogus", "cache_dir": str(tmp_path / "shop")})  # fmt: skip
+    with pytest.raises(preflight.ConfigError, match=r"env_kwargs=.*reward='bogus'; use 'score'"):
+        preflight.check_run(config, ModelConfig())
