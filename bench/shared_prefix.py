@@ -131,7 +131,7 @@ def context_rows(trainer, prompt_tokens: int, shared_tokens: int, rows: int = 4,
 
 def micro_batch(trainer, steps) -> dict:
     """The steps as TRL's training batch (`batching.padded_tensors`), shuffled as TRL shuffles it."""
-    from bipace_trainer.rollout.batching import padded_tensors
+    from bipace_trainer.update.batching import padded_tensors
 
     steps = list(steps)
     random.Random(0).shuffle(steps)
@@ -145,7 +145,7 @@ def micro_batch(trainer, steps) -> dict:
 
 def update(trainer, inputs, shared) -> dict:
     """One micro-batch's loss and backward; seconds, peak RSS above the start, tokens forwarded."""
-    from bipace_trainer.micro_batches import split_rows
+    from bipace_trainer.update.micro_batches import split_rows
 
     trainer.shared_prefix = shared
     trainer.model.zero_grad(set_to_none=True)
@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--plan-only", action="store_true",
                         help="print the cost model's estimates for each batch and forward nothing (seconds, not hours)")
     cli = parser.parse_args(argv)
-    from bipace_trainer import memory
+    from bipace_trainer.update import memory
 
     trainer = make_trainer(tempfile.mkdtemp(prefix="bench-shared-prefix-"))
     # as `BiPACETrainer.train` runs the update (the plain path's calls go to transformers' own attention)

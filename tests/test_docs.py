@@ -228,7 +228,7 @@ def test_the_figure_checks_find_what_they_look_for():
 
 def test_the_readme_says_what_the_browser_tests_need_as_their_skip_reason_does():
     readme = (ROOT / "README.md").read_text().split("## The two commands")[1].split("```bash")[1]
-    skip = (ROOT / "tests" / "test_report_browser.py").read_text().split("needs_chromium = ")[1].split("\n)")[0]
+    skip = (ROOT / "tests" / "reports" / "test_report_browser.py").read_text().split("needs_chromium = ")[1].split("\n)")[0]
     for text in (readme, skip):
         assert "Debian's chromium" in text and re.search(r"apt-get install (-y )?chromium", text), text
 

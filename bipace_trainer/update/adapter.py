@@ -4,12 +4,12 @@
 what the trainer takes of TRL and hands back to it, as values and bound methods:
 
 - what the rollout gets of TRL's generation, batch settings and tool-env setup (`trl_generation`,
-  `trl_batch_spec`, `tool_env_setup`: `rollout.policy.TRLGeneration` and the others name each field);
+  `trl_batch_spec`, `tool_env_setup`: `update.policy.TRLGeneration` and the others name each field);
 - TRL's tokenization, each prompt bounded by the model's context (`_tokenize_prompts`);
 - GRPOTrainer's own advantage for one-step episodes (`one_step_advantages`);
 - TRL's loss over a micro-batch in pieces, each shared prefix forwarded once (`loss_in_pieces`,
   `_get_per_token_logps_and_entropies`, `shared_prefix.py`);
-- TRL's token count and metric buffers (`trl_metrics`, `record_metrics`, `metric_buffer`);
+- TRL's token count and metric buffers (`metrics`, `record_metrics`, `metric_buffer`);
 - TRL's checkpoint written atomically with the run's own state, and TRL's mid-generation buffer
   (`_save_checkpoint`, `_load_optimizer_and_scheduler`: the subclass gives `run_state` and takes
   `restore_run_state`).
@@ -29,16 +29,17 @@ import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from . import trl_compat
+from .. import trl_compat
 from .micro_batches import combine_metrics, length_order, loss_in_pieces, piece_weights, take_rows
-from .rollout.batching import TRLBatchSpec
-from .rollout.collector import sharded_forward
-from .rollout.loop import Rollout
-from .rollout.policy import TRLGeneration, fit_to_context
-from .rollout.tool_envs import ToolEnvSetup
-from .run import checkpointing
-from .trl_advantages import one_step_estimate
-from .trl_metrics import generation_trl_metrics
+from ..rollout.collector import sharded_forward
+from ..rollout.loop import Rollout
+from ..rollout.policy import fit_to_context
+from ..rollout.tool_envs import ToolEnvSetup
+from ..run import checkpointing
+from .batching import TRLBatchSpec
+from .metrics import generation_trl_metrics
+from .one_step import one_step_estimate
+from .policy import TRLGeneration
 
 __all__ = ["GRPOAdapter"]
 
@@ -54,6 +55,15 @@ class GRPOAdapter(GRPOTrainer):
     saving_checkpoint = False
     final_rng: dict[str, Any] | None = None  # the generators as the final evaluation began (`save_stopped_end`)
     _checkpoint_staging: str | None = None
+
+    # ------------------------------------------------------------------ TRL's seam for a custom rollout
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's one seam for a custom rollout: the subclass's public `generate_and_score`."""
+        return self.generate_and_score(inputs)
+
+    def generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError("a GRPOAdapter subclass plays and scores a generation batch here")
 
     # ------------------------------------------------------------------ what the rollout gets
 
@@ -164,7 +174,7 @@ class GRPOAdapter(GRPOTrainer):
 
     def one_step_advantages(self, group_size: int) -> Callable | None:
         """GRPOTrainer's own advantage of one-step episodes (plain prompts), over every rank's rows as
-        TRL gathers them (`trl_advantages.one_step_estimate`); None unless `one_step`."""
+        TRL gathers them (`one_step.one_step_estimate`); None unless `one_step`."""
         if not self.one_step:
             return None
         accelerator = self.accelerator
@@ -244,9 +254,9 @@ class GRPOAdapter(GRPOTrainer):
     # ------------------------------------------------------------------ TRL's metrics
 
     def trl_metrics(self, rollout: Rollout, mode: str, trl_rewards: bool) -> dict[str, float]:
-        """GRPOTrainer's own metrics of this generation, by episode (`trl_metrics`), and its token counts:
+        """GRPOTrainer's own metrics of this generation, by episode (`update.metrics`), and its token counts:
         TRL's `num_tokens` (the running total of prompt and model-generated tokens, as TRL counts them:
-        `trl_metrics.trl_token_count`) and ours, `rollout/tokens_processed` (every token the model read
+        `metrics.trl_token_count`) and ours, `rollout/tokens_processed` (every token the model read
         or wrote, once: tool results too) and `rollout/tokens_all_turns` (every turn's prompt whole).
         `trl_rewards`: scored by TRL's `reward_funcs` (else by the env, TRL's `env_reward`)."""
         names = self.reward_func_names if trl_rewards else ["env_reward"]
@@ -308,7 +318,7 @@ class GRPOAdapter(GRPOTrainer):
             checkpointing.save_atomically(
                 Path(super()._get_output_dir(trial)), state, trl_save, accelerator=self.accelerator,
                 args=self.args, step=self.state.global_step, best_model_checkpoint=self.state.best_model_checkpoint,
-                model_name=getattr(self.model.config, "_name_or_path", "") or "",
+                model_name=getattr(self.model.config, "name_or_path", "") or "",
             )
         finally:
             self.saving_checkpoint = False

@@ -228,7 +228,7 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
     from types import SimpleNamespace
 
     from bipace_trainer.rollout.collector import RolloutCollector
-    from bipace_trainer.rollout.policy import TRLGeneration, TRLPolicy
+    from bipace_trainer.update.policy import TRLGeneration, TRLPolicy
     from bipace_trainer.rollout.vllm_stream import EngineStream, ServerStream, StreamTurns
 
     class Engine:  # what the collector's wrappers touch of TRL's colocated `LLM`
@@ -310,7 +310,7 @@ def test_trls_tool_envs_stream_the_same_chats_as_lockstep():
     from trl.chat_template_utils import add_response_schema
 
     from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
-    from tests.test_tool_envs import call, fake_setup, rows, scripted
+    from tests.rollout.test_tool_envs import call, fake_setup, rows, scripted
     from tests.trainer.tool_setup import Lamps, make_tokenizer
 
     tokenizer = add_response_schema(make_tokenizer())

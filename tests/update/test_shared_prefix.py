@@ -1,4 +1,4 @@
-"""The shared-prefix forward (`bipace_trainer.shared_prefix`) gives TRL's plain row-by-row path's
+"""The shared-prefix forward (`bipace_trainer.update.shared_prefix`) gives TRL's plain row-by-row path's
 per-token log-probs, entropies, loss and gradients, on every layout a training batch can take, while
 forwarding fewer tokens. The reference is TRL's own `_get_per_token_logps_and_entropies`."""
 
@@ -17,8 +17,8 @@ from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from bipace_trainer.rollout.prompting import fit_prompt_ids
-from bipace_trainer import packed_attention
-from bipace_trainer.shared_prefix import group_rows, packed_logps, plan_layout
+from bipace_trainer.update import packed_attention
+from bipace_trainer.update.shared_prefix import group_rows, packed_logps, plan_layout
 
 PAD = 0
 VOCAB = 96
@@ -339,7 +339,7 @@ def test_the_old_and_reference_passes_chunk_by_batch_size(tmp_path):
     """The old-logprob pass and the reference pass (LoRA: the adapter disabled) give the plain values."""
     from peft import LoraConfig
 
-    from bipace_trainer.rollout.batching import reference_logps
+    from bipace_trainer.update.batching import reference_logps
 
     inputs = _micro_batch()
     values = []
@@ -366,7 +366,7 @@ def _causal_only(module, query, key, value, attention_mask, **kwargs):
 def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(tmp_path, caplog):
     from transformers import AttentionInterface
 
-    from bipace_trainer.shared_prefix import ModelShape, SharedPrefixForward
+    from bipace_trainer.update.shared_prefix import ModelShape, SharedPrefixForward
     from tests.trainer.tiny_setup import make_model, make_tokenizer
 
     AttentionInterface.register("causal_only", _causal_only)
@@ -374,14 +374,14 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
     model = make_model(tokenizer)
     model.config._attn_implementation = "causal_only"
     inputs = _micro_batch()
-    with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
+    with caplog.at_level("WARNING", logger="bipace_trainer.update.shared_prefix"):
         trainer = _trainer(tmp_path, True, model=model, per_device_train_batch_size=4)
     assert trainer.shared_prefix is None and "takes no custom mask" in caplog.text  # off, said once
     off_loss, off_grad = _step(trainer, inputs)
 
     trainer.shared_prefix = SharedPrefixForward(trainer, "additive", ModelShape.of(model))  # as if it were eager
     caplog.clear()
-    with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
+    with caplog.at_level("WARNING", logger="bipace_trainer.update.shared_prefix"):
         _step(trainer, inputs)
     assert not trainer.shared_prefix.enabled and "differ from the plain path's" in caplog.text
     # from then on the plain path, pieces included (this attention also reads the padding: the same pieces matter)
@@ -395,7 +395,7 @@ def test_a_model_whose_attention_ignores_the_mask_falls_back_to_the_plain_path(t
 
 
 def test_a_models_shape_counts_what_a_token_passes_through():
-    from bipace_trainer.shared_prefix import ModelShape
+    from bipace_trainer.update.shared_prefix import ModelShape
 
     model = tiny_model()  # hidden 32, 2 layers, 4 heads of 8, intermediate 64, float32
     shape = ModelShape.of(model)
@@ -406,7 +406,7 @@ def test_a_models_shape_counts_what_a_token_passes_through():
 
 
 def test_the_plain_paths_cost_on_a_hand_made_case():
-    from bipace_trainer.shared_prefix import Cost, plain_cost
+    from bipace_trainer.update.shared_prefix import Cost, plain_cost
 
     # two rows of 3 and 5 real tokens, padded to 5, forwarded together: a padding mask, the whole squares
     assert plain_cost([3, 5], 5, 2, "segments", heads=4) == Cost(10, 2 * 25, 10, 2 * 25)
@@ -416,7 +416,7 @@ def test_the_plain_paths_cost_on_a_hand_made_case():
 
 
 def test_packing_is_chosen_where_it_saves_and_refused_where_it_would_lose():
-    from bipace_trainer.shared_prefix import ModelShape, packed_cost, plain_cost, plan_rows, worth_packing
+    from bipace_trainer.update.shared_prefix import ModelShape, packed_cost, plain_cost, plan_rows, worth_packing
 
     shape = ModelShape(token_flops=1000.0, pair_flops=10.0, token_bytes=10_000.0, heads=2)
 
@@ -465,7 +465,7 @@ def test_the_first_use_check_forwards_no_more_rows_than_a_plain_forward(tmp_path
 def test_pieces_are_cut_for_packing_only_where_the_packed_forward_will_run(tmp_path):
     """A piece cut in token order holds more rows than a plain piece, so it must be packed: outside the
     forward's scope (SDPA attention not routed) the update keeps the plain pieces."""
-    from bipace_trainer.micro_batches import length_order
+    from bipace_trainer.update.micro_batches import length_order
 
     trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
     inputs = _micro_batch()

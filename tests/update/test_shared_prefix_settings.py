@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bipace_trainer import BiPACETrainer
-from bipace_trainer.rollout.batching import padded_tensors, reference_logps
+from bipace_trainer.update.batching import padded_tensors, reference_logps
 from bipace_trainer.rollout.vllm_backend import importance_sampling_ratio
 from bipace_trainer.run.demonstrations import collect_demonstrations
 from tests.trainer.tiny_setup import HISTORY_LENGTH, TINY_ENV_KWARGS, make_model, make_tokenizer, tiny_args
@@ -156,7 +156,7 @@ def test_every_loss_setting_equals_the_plain_path(tmp_path, setting, batch, capl
     off_trainer = make_trainer(tmp_path, False, overrides, batch)
     off = two_updates(off_trainer, micro_batch(off_trainer, steps, setting), setting)
     on_trainer = make_trainer(tmp_path, True, overrides, batch)
-    with caplog.at_level("WARNING", logger="bipace_trainer.shared_prefix"):
+    with caplog.at_level("WARNING", logger="bipace_trainer.update.shared_prefix"):
         on = two_updates(on_trainer, micro_batch(on_trainer, steps, setting), setting)
 
     forward = on_trainer.shared_prefix

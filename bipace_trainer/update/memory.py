@@ -43,7 +43,7 @@ import ctypes.util
 import os
 from typing import Iterator
 
-from . import trl_compat
+from .. import trl_compat
 
 __all__ = ["LOGPROB_TOKEN_TILE", "LOGPROB_VOCAB_TILE", "MMAP_THRESHOLD", "bound_cpu_memory", "return_freed_memory"]
 

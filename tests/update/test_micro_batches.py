@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bipace_trainer import BiPACETrainer
-from bipace_trainer.micro_batches import piece_weights, split_rows
+from bipace_trainer.update.micro_batches import piece_weights, split_rows
 
-from .tiny_setup import make_model, make_tokenizer, tiny_args
+from tests.trainer.tiny_setup import make_model, make_tokenizer, tiny_args
 
 
 def _batch(prompts, completions, pad=0, masked_rows=()):

@@ -1,5 +1,5 @@
 """`bipace-report`: the page from a run's files, on a hand-made output directory (the browser test
-opens a real run's page: tests/test_report_browser.py)."""
+opens a real run's page: tests/reports/test_report_browser.py)."""
 
 from __future__ import annotations
 

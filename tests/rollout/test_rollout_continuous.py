@@ -239,7 +239,7 @@ def test_trls_tool_envs_play_the_same_chats_in_both_modes():
     from trl.chat_template_utils import add_response_schema
 
     from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
-    from tests.test_tool_envs import call, fake_setup, rows, scripted
+    from tests.rollout.test_tool_envs import call, fake_setup, rows, scripted
     from tests.trainer.tool_setup import Lamps, make_tokenizer
 
     tokenizer = add_response_schema(make_tokenizer())

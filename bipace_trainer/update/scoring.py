@@ -3,7 +3,7 @@
     scored = score_rollout(played, spec, estimator, sync, hidden_plan, penalize_env_failures, prefetched)
     metrics = generation_metrics(scored, played_episodes, ...)
 
-The trainer collects (`collector`), this scores, TRL's loss trains: `BiPACETrainer._scored_rollout`
+The trainer collects (`collector`), this scores, TRL's loss trains: `BiPACETrainer.collect`
 and `_generate_and_score_completions` are these two calls around the collector's.
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from ..advantages import StepEstimate
 from .batching import TRLBatchSpec, training_batch
-from .hidden import HiddenPlan
-from .types import Episode, Rollout
+from ..rollout.hidden import HiddenPlan
+from ..rollout.types import Episode, Rollout
 
 __all__ = ["ScoredRollout", "score_rollout", "generation_metrics"]
 
@@ -59,7 +59,7 @@ def score_rollout(
 
     `forward_hidden(prompt_ids)`: the kept steps' hidden states by one pass over their prompts (a rollout
     that captured none: TRL's `evaluate`). `advantages_of(rollout, estimate)`: the estimate made over,
-    after the estimator ran (plain prompts: GRPOTrainer's own advantage, `trl_advantages`).
+    after the estimator ran (plain prompts: GRPOTrainer's own advantage, `update.one_step`).
     """
     rollout = played if penalize_env_failures else played.without_failed_episodes()
     masked_steps = len(played.steps) - len(rollout.steps)

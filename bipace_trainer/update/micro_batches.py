@@ -13,7 +13,7 @@ are ordered by length before they are cut (`length_order`), and each piece keeps
 columns its own rows use, so short steps are not padded to the longest step of the
 generation. What TRL's loss logs per piece is combined into one value per micro-batch
 (`combine_metrics`), so the logs do not depend on how the rows were cut (the shared-prefix
-update cuts other pieces: `shared_prefix.py`).
+update cuts other pieces: `update/shared_prefix.py`).
 """
 
 from __future__ import annotations

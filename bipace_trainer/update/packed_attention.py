@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import trl_compat
+from .. import trl_compat
 
 __all__ = ["Cluster", "SegmentLayout", "segment_attention", "routed", "routing", "placeholder_mask", "LAYOUT_KEYWORD"]
 

@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 from trl.trainer.utils import pad
 
-from .hidden import PositionCapture
-from .loop import Rollout
-from .vllm_backend import importance_sampling_metrics, importance_sampling_ratio
+from ..rollout.hidden import PositionCapture
+from ..rollout.loop import Rollout
+from ..rollout.vllm_backend import importance_sampling_metrics, importance_sampling_ratio
 
 __all__ = ["TRLBatchSpec", "training_batch", "padded_tensors", "importance_sampling", "reference_logps", "mask_cut_episodes"]
 

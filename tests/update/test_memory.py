@@ -1,4 +1,4 @@
-"""The CPU memory bounds (`bipace_trainer.memory`, through `bipace_trainer.trl_compat`): TRL's log-prob
+"""The CPU memory bounds (`bipace_trainer.update.memory`, through `bipace_trainer.trl_compat`): TRL's log-prob
 tiles shrink on a CPU only, give the same log-probs and gradients in small tiles; only the labelled
 positions are scored on a CPU, with the same log-probs and gradients; a CPU trainer applies them while
 it trains and gives TRL its own values back after. The memory and time they save are measured by

@@ -6,7 +6,7 @@ rows share one time, and a chat episode, whose turns each extend the one before,
         logps, entropies = forward.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)
         pieces = forward.pieces(inputs, plain_pieces)       # the update's micro-batch pieces, or None
 
-`GRPOAdapter._get_per_token_logps_and_entropies` (`trl_adapter.py`; the update, the old and the
+`GRPOAdapter._get_per_token_logps_and_entropies` (`update/adapter.py`; the update, the old and the
 reference log-prob passes all go through it) calls it in place of TRL's row-by-row forward, and
 returns the same (B, logits_to_keep) log-probs and entropies, so TRL's loss, clipping, KL,
 importance ratio and metrics run unchanged on them.
@@ -58,7 +58,7 @@ metrics do not depend on the pieces.
 
 **Exactness.** The same tokens at the same relative positions: log-probs, entropies, the loss, the
 gradients and every logged metric equal the plain path's to float rounding under every loss setting
-(tests/test_shared_prefix.py, tests/test_shared_prefix_settings.py, and 2 processes in
+(tests/update/test_shared_prefix.py, tests/update/test_shared_prefix_settings.py, and 2 processes in
 tests/trainer/test_shared_prefix_distributed.py). A left-padded row sits at other absolute positions
 in the plain path; for rotary positions only relative ones count. The first packed forward is checked
 against the plain path on its rows (at most a plain forward's, eval mode, no gradients), and a mismatch

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from bipace_trainer.rollout.loop import Generation, RolloutSettings, TaskRef, run_rollouts
-from bipace_trainer.rollout.policy import TRLGeneration, TRLPolicy
+from bipace_trainer.update.policy import TRLGeneration, TRLPolicy
 from bipace_trainer.rollout.vllm_stream import ServerStream, StreamTurns, request_seed, server_sampling_params
 from envs.vector import VectorEnv
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bipace_trainer.cli import train  # noqa: E402
+from bipace_trainer.cli import preflight, train  # noqa: E402
 from bipace_trainer.advantages import PRESETS  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
@@ -150,7 +150,7 @@ def test_a_mistake_that_used_to_load_the_model_first_is_one_line_before_it(argv,
     (tmp_path / "out" / "checkpoint-3").mkdir(parents=True)
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
     args = train.parse_args(["--env", "tiny", "--use_cpu", "true", "--output_dir", str(tmp_path / "out"), *argv])
-    with pytest.raises(train.ConfigError) as refused:
+    with pytest.raises(preflight.ConfigError) as refused:
         train.main(*args)
     assert "\n" not in str(refused.value) and all(needle in str(refused.value) for needle in needles), str(refused.value)
 

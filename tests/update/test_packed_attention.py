@@ -1,4 +1,4 @@
-"""Segment attention (`bipace_trainer.packed_attention`) equals SDPA under the materialised mask of the same
+"""Segment attention (`bipace_trainer.update.packed_attention`) equals SDPA under the materialised mask of the same
 packed layout, outputs and gradients, without building that mask; it reaches a model only inside `routed()`."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bipace_trainer import packed_attention
-from bipace_trainer.packed_attention import Cluster, SegmentLayout, segment_attention
-from bipace_trainer.shared_prefix import attention_mask_4d, plan_layout
-from tests.test_shared_prefix import group_rows_of_a_task, layout, tiny_model, tool_episodes
+from bipace_trainer.update import packed_attention
+from bipace_trainer.update.packed_attention import Cluster, SegmentLayout, segment_attention
+from bipace_trainer.update.shared_prefix import attention_mask_4d, plan_layout
+from tests.update.test_shared_prefix import group_rows_of_a_task, layout, tiny_model, tool_episodes
 
 
 def reference(query, key, value, segment, groups):
@@ -68,7 +68,7 @@ def test_the_pairs_and_masks_of_a_layout_are_the_rows_own_not_the_packed_rows_sq
 
 
 def test_a_packed_forward_outside_routed_fails_instead_of_attending_without_the_layout():
-    from bipace_trainer.shared_prefix import packed_logps
+    from bipace_trainer.update.shared_prefix import packed_logps
 
     rng = random.Random(3)
     plan = plan_layout(*layout(*group_rows_of_a_task(rng, rows=3)))

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "HF_", "RANK", "WORLD_SIZE",
                                                                         "LOCAL_"))}
 BASE_ENV.update(OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
@@ -149,7 +149,7 @@ def _private_mounts() -> bool:
 
 
 # Issue 56's mistakes, each once as a user launches it (the others of each kind, in-process and fast, are
-# in tests/test_cli.py: the same checks, before the same model load).
+# in tests/cli/test_cli.py: the same checks, before the same model load).
 def test_temperature_0_is_refused_saying_how_greedy_decoding_is_had(config_only_model, tmp_path):
     """Before: a 92-line traceback from inside the first rollout; TRL users type it for greedy decoding."""
     assert_refused(run_train(config_only_model, "--env", "tiny", "--temperature", "0", tmp=tmp_path),

@@ -63,8 +63,8 @@ from trl.trainer.utils import add_fused_lm_head
 
 from ..trl_compat import forward_closes_over, fused_lm_head_settings
 from .batching import TRLBatchSpec, padded_tensors
-from .loop import Rollout
-from .policy import ModelPolicy
+from ..rollout.loop import Rollout
+from ..rollout.policy import ModelPolicy
 
 __all__ = ["RolloutOverlap", "check_overlap", "SnapshotPolicy", "PrivateSampler", "Lookahead", "Prefetched", "sampling_warpers"]
 
@@ -158,7 +158,7 @@ class SnapshotPolicy(ModelPolicy):
     live trainable weights into it in place, so a full fine-tune allocates the copy once.
 
     Args:
-        live: the trainer's `policy.TRLPolicy` (its module, generation config, tokenizer).
+        live: the trainer's `update.policy.TRLPolicy` (its module, generation config, tokenizer).
         spec: what scoring the behaviour log-probs takes (`batching.TRLBatchSpec`).
     """
 

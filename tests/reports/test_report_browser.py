@@ -21,7 +21,7 @@ from peft import LoraConfig
 from bipace_trainer import BiPACETrainer
 from bipace_trainer.reports.report import write_report
 
-from .trainer.tiny_setup import LORA, tiny_args
+from tests.trainer.tiny_setup import LORA, tiny_args
 
 CHROMIUM = os.environ.get("BIPACE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

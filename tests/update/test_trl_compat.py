@@ -16,7 +16,7 @@ import torch
 
 from bipace_trainer import trl_compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The modules and classes whose attributes TRL's GRPO reads while it trains (and the ones a patch touches).
 TRL_MODULES = ("trl.trainer.utils", "trl.kernels.chunked_logprob", "trl.trainer.grpo_trainer", "trl.generation.vllm_generation")
 
@@ -37,17 +37,17 @@ def test_the_installed_trl_is_in_the_range_of_every_trl_patch():
 
 
 def test_a_library_outside_a_patch_range_warns_once_per_patch_naming_it():
-    trl_patches = sorted(name for name, p in trl_compat.PATCHES.items() if p.library == ("trl",))
+    trl_patches = sorted(name for name, p in trl_compat.LEDGER.items() if p.library == ("trl",))
     with pytest.warns(RuntimeWarning) as caught:
         outside = trl_compat.check_versions(lambda library: "1.18.0" if library == ("trl",) else None)
     assert sorted(outside) == trl_patches and len(caught) == len(trl_patches)
     for name, warning in zip(outside, caught):
-        assert f"patch {name!r} was written for trl>=1.16,<1.17, and trl 1.18.0 is installed" in str(warning.message)
+        assert f"{name!r} was written for trl>=1.16,<1.17, and trl 1.18.0 is installed" in str(warning.message)
     with pytest.warns(RuntimeWarning) as caught:
         vllm = trl_compat.check_versions(
             lambda library: "0.32.0.dev1+cpu" if "vllm" in library else "5.25.0" if "transformers" in library else "1.16.2")
     assert any("'wrap_llm_generate' was written for vllm>=0.10.2,<0.31.1, and vllm 0.32" in str(w.message) for w in caught)
-    assert sorted(vllm) == sorted(n for n, p in trl_compat.PATCHES.items() if "vllm" in p.library)
+    assert sorted(vllm) == sorted(n for n, p in trl_compat.LEDGER.items() if "vllm" in p.library)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert trl_compat.check_versions(lambda library: None) == []  # not installed: nothing to check
@@ -55,7 +55,7 @@ def test_a_library_outside_a_patch_range_warns_once_per_patch_naming_it():
             lambda library: "0.31.0" if "vllm" in library else "5.25.1" if "transformers" in library else "1.16.0rc1") == []
     with pytest.warns(RuntimeWarning, match="'routed_attention' was written for transformers>=5.25,<5.26"):
         assert trl_compat.check_versions(lambda library: "5.30.0" if "transformers" in library else None) == [
-            "routed_attention"]
+            name for name, entry in trl_compat.LEDGER.items() if entry.library == ("transformers",)]
 
 
 # ---------------------------------------------------------------------- each patch, and its undo
@@ -225,9 +225,9 @@ def test_a_grpo_trainer_after_a_bipace_trainer_is_trls_own(tmp_path):
 
     logs = plain_grpo_logs(str(tmp_path / "theirs"))
     code = (
-        "import json, sys; from tests.test_trl_compat import plain_grpo_logs; "
+        "import json, sys; from tests.update.test_trl_compat import plain_grpo_logs; "
         f"logs = plain_grpo_logs({str(tmp_path / 'fresh')!r}); "
-        "assert 'bipace_trainer.trainer' not in sys.modules and 'bipace_trainer.memory' not in sys.modules; "
+        "assert 'bipace_trainer.trainer' not in sys.modules and 'bipace_trainer.update.memory' not in sys.modules; "
         "print(json.dumps(logs))"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
