@@ -124,9 +124,9 @@ def run_one(size: str, mode: str | None, steps: int, tokenizer, output_dir: str,
     class Timed(BiPACETrainer):
         skip_update_without_signal = False  # a random policy has no signal; time the update anyway
 
-        def _scored_rollout(self, tasks, *prefetched):
+        def collect(self, tasks, prefetched=None):
             start = time.perf_counter()
-            scored = super()._scored_rollout(tasks, *prefetched)
+            scored = super().collect(tasks, prefetched)
             rollouts.append({
                 "seconds": time.perf_counter() - start,
                 "tokens": sum(len(s.completion_ids or []) for s in scored.rollout.steps),

@@ -87,9 +87,9 @@ def child(variant: str, train_args: list[str]) -> None:
     """Run train.py as `python train.py` would, with the phases marked (and the variant's change)."""
     from transformers import AutoModelForCausalLM
 
-    import bipace_trainer.rollout.batching as batching
+    import bipace_trainer.update.batching as batching
     import bipace_trainer.run.evaluation as evaluation
-    import bipace_trainer.memory as memory
+    import bipace_trainer.update.memory as memory
     import bipace_trainer.models as models
     from bipace_trainer.trainer import BiPACETrainer
 

@@ -31,7 +31,8 @@ def main(argv: list[str]) -> str:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bipace_trainer import memory, trl_compat
+    from bipace_trainer import trl_compat
+    from bipace_trainer.update import memory
     from bipace_trainer.models import embedded_model_path
 
     model = AutoModelForCausalLM.from_pretrained(str(embedded_model_path()))

@@ -42,8 +42,8 @@ def attend(variant: str, prefix: int):
     import torch
     import torch.nn.functional as F
 
-    from bipace_trainer.packed_attention import Cluster, SegmentLayout, segment_attention
-    from bipace_trainer.shared_prefix import attention_mask_4d
+    from bipace_trainer.update.packed_attention import Cluster, SegmentLayout, segment_attention
+    from bipace_trainer.update.shared_prefix import attention_mask_4d
 
     groups, width = HEADS // KV_HEADS, prefix + SUFFIXES * SUFFIX
     if variant == "plain":

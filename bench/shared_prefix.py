@@ -4,6 +4,7 @@ forward, side by side in one process: tokens forwarded, update time and peak mem
     python -m bench.shared_prefix                                   # every workload, 1 round
     python -m bench.shared_prefix --workloads textcraft context4k --rounds 2
     python -m bench.shared_prefix --out bench/results/shared_prefix.json
+    python -m bench.shared_prefix --plan-only                       # the cost model's estimates, no forward
 
 The model and settings are the main job's (`python train.py`): the embedded SmolLM2-135M-Instruct with
 LoRA r=16 on q/k/v/o, gradient checkpointing (turned on as `Trainer.train` turns it on), pieces of
@@ -27,8 +28,11 @@ it. Batches, laid out by `batching.padded_tensors` exactly as training lays them
 Each round runs plain then shared on every batch (one untimed shared call first: the first-use check),
 interleaved, so that a machine shared with other jobs loads both alike. The table's time is the update's CPU
 seconds (one thread: the work done, which other jobs on the cores stretch in wall time but not in CPU time;
-the JSON has both). Prints the ratios and what the cost model chose; `--out` writes JSON with the CPU model,
-threads and the load average before and after each update.
+the JSON has both). Prints the ratios, what the cost model chose and its own FLOPs and peak-memory ratios for
+the batch (`SharedPrefixForward.estimate`; `--plan-only` prints those alone, forwarding nothing); `--out`
+writes JSON with the CPU model, threads and the load average before and after each update. `--first-use`
+makes each batch's shared update a run's first (its first-use check on the batch's own rows, timed and in its
+peak memory), run before the plain one.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ def context_rows(trainer, prompt_tokens: int, shared_tokens: int, rows: int = 4,
 
 def micro_batch(trainer, steps) -> dict:
     """The steps as TRL's training batch (`batching.padded_tensors`), shuffled as TRL shuffles it."""
-    from bipace_trainer.rollout.batching import padded_tensors
+    from bipace_trainer.update.batching import padded_tensors
 
     steps = list(steps)
     random.Random(0).shuffle(steps)
@@ -141,7 +145,7 @@ def micro_batch(trainer, steps) -> dict:
 
 def update(trainer, inputs, shared) -> dict:
     """One micro-batch's loss and backward; seconds, peak RSS above the start, tokens forwarded."""
-    from bipace_trainer.micro_batches import split_rows
+    from bipace_trainer.update.micro_batches import split_rows
 
     trainer.shared_prefix = shared
     trainer.model.zero_grad(set_to_none=True)
@@ -209,8 +213,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--first-use", action="store_true",
+                        help="each batch's shared update is a first one: the first-use check on its rows, timed within it")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the cost model's estimates for each batch and forward nothing (seconds, not hours)")
     cli = parser.parse_args(argv)
-    from bipace_trainer import memory
+    from bipace_trainer.update import memory
 
     trainer = make_trainer(tempfile.mkdtemp(prefix="bench-shared-prefix-"))
     # as `BiPACETrainer.train` runs the update (the plain path's calls go to transformers' own attention)
@@ -224,18 +232,51 @@ def run(trainer, cli) -> dict:
     made = batches(trainer, cli.workloads)
     update(trainer, micro_batch(trainer, context_rows(trainer, 300, 250)), shared)  # untimed: the first-use check
     assert shared.checked and shared.enabled, "the first-use check turned shared_prefix off"
-    results = {name: {"rows": int(b["prompt_ids"].size(0)), "plain": [], "shared": []} for name, b in made.items()}
+    results = {name: {"rows": int(b["prompt_ids"].size(0)), "estimate": estimate(trainer, b), "plain": [], "shared": []}
+               for name, b in made.items()}
+    if cli.plan_only:
+        print(plan_table(write(cli, results, planned=True)))
+        return results
     for _ in range(cli.rounds):
         for name, inputs in made.items():
-            results[name]["plain"].append(update(trainer, inputs, None))
-            results[name]["shared"].append(update(trainer, inputs, shared))
+            if cli.first_use:  # the shared update checks its own rows (TRL's forward of them, no gradients) first
+                shared.checked = False
+                results[name]["shared"].append(update(trainer, inputs, shared))
+                write(cli, results)  # kept even if the plain update does not finish
+                results[name]["plain"].append(update(trainer, inputs, None))
+            else:
+                results[name]["plain"].append(update(trainer, inputs, None))
+                results[name]["shared"].append(update(trainer, inputs, shared))
             report = write(cli, results)  # after every pair: a long run keeps what it measured
     print(table(report))
     return report
 
 
-def write(cli, results: dict) -> dict:
-    done = {name: r for name, r in results.items() if r["shared"]}
+def estimate(trainer, inputs) -> dict:
+    """The cost model's estimates for the update of this micro-batch, forwarding nothing: TRL's pieces against
+    what the shared-prefix update would forward (its pieces cut in token order where that pays)."""
+    from bipace_trainer.micro_batches import length_order, take_rows
+
+    shared, size = trainer.shared_prefix, trainer.args.per_device_train_batch_size
+    plain = length_order(inputs, size)
+    runs = shared.pieces(inputs, plain)
+    return {"plain": shared.estimate(take_rows(inputs, plain), packed=False),
+            "shared": shared.estimate(take_rows(inputs, plain if runs is None else runs), packed=True),
+            "regrouped": runs is not None}
+
+
+def plan_table(report: dict) -> str:
+    lines = [f"{'batch':<10} {'rows':>4} | {'tokens plain':>12} {'shared':>7} {'ratio':>5} | FLOPs ratio | "
+             "peak memory estimate ratio | regrouped"]
+    for name, r in report["results"].items():
+        p, s = r["estimate"]["plain"], r["estimate"]["shared"]
+        lines.append(f"{name:<10} {r['rows']:>4} | {p['tokens']:>12} {s['tokens']:>7} {s['tokens'] / p['tokens']:>5.2f} | "
+                     f"{s['flops'] / p['flops']:>11.2f} | {s['memory'] / p['memory']:>26.2f} | {r['estimate']['regrouped']}")
+    return "\n".join(lines)
+
+
+def write(cli, results: dict, planned: bool = False) -> dict:
+    done = {name: r for name, r in results.items() if r["shared"] or planned}
     report = {"machine": machine(), "rounds": cli.rounds, "date": time.strftime("%Y-%m-%d"), "results": done,
               "command": "python -m bench.shared_prefix " + " ".join(sys.argv[1:])}
     if cli.out:
@@ -255,8 +296,10 @@ def table(report: dict) -> str:
         sp, ss = statistics.median(x["cpu_seconds"] for x in p), statistics.median(x["cpu_seconds"] for x in s)
         mp, ms = max(x["peak_mb"] for x in p), max(x["peak_mb"] for x in s)
         chose = f"{s[0]['packed_forwards']}/{s[0]['plain_forwards']}, {s[0]['regrouped']}"
-        if s[0].get("flops_plain"):  # the cost model's FLOPs ratio, to set beside the measured one
-            chose += f", model {s[0]['flops_shared'] / s[0]['flops_plain']:.2f}"
+        if r.get("estimate"):  # the cost model's FLOPs and peak memory ratios, to set beside the measured ones
+            e = r["estimate"]
+            chose += (f", model {e['shared']['flops'] / e['plain']['flops']:.2f} FLOPs, "
+                      f"{e['shared']['memory'] / e['plain']['memory']:.2f} memory")
         lines.append(f"{name:<10} {r['rows']:>4} | {tp:>12} {ts:>7} {ts / tp:>5.2f} | {sp:>14.1f} {ss:>7.1f} "
                      f"{ss / sp:>5.2f} | {mp:>13.0f} {ms:>7.0f} {ms / max(mp, 1):>5.2f} | {chose:>21} | "
                      f"{p[0]['loss']:.6f} / {s[0]['loss']:.6f}")

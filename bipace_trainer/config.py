@@ -18,7 +18,7 @@ from envs.vector import BACKENDS
 
 from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
 from .rollout.loop import ROLLOUT_MODES
-from .trl_advantages import AGGREGATIONS
+from .update.one_step import AGGREGATIONS
 
 __all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
@@ -46,7 +46,7 @@ FIELD_GROUPS = {
         "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
         "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
         "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
-        "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
+        "capture_hidden_states", "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
         "level_weights", "drop_zero_levels", "base_group", "step_return", "normalize_distance", "similarity_merge",
         "similarity_threshold", "milestone_threshold", "pace_evidence", "pace_variance_gate",
     ),
@@ -217,6 +217,9 @@ class BiPACEConfig(GRPOConfig):
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
+    capture_hidden_states (`bool`, False): capture each step's hidden state even when the estimator's
+        partition does not read it (a study that records both partitions on every preset); the run's
+        `HiddenPlan` is chosen once, from this and the partition.
 
     > Parameters that control the multi-turn rollout
 
@@ -286,12 +289,14 @@ class BiPACEConfig(GRPOConfig):
         calls of one rollout (least recently used first; cleared when the rollout ends); 0 keeps
         none (sharing within a call only).
     shared_prefix (`bool`, True): the update's forward passes (and the old and reference log-prob
-        passes) compute a token prefix that rows share once (`shared_prefix.py`): a task group's
+        passes) compute a token prefix that rows share once (`update/shared_prefix.py`): a task group's
         common prompt, and an episode whose turns each extend the one before as one sequence. The
         same log-probs, entropies, loss, gradients and logged metrics as TRL's row-by-row forward under
         every loss setting, checked against it on the first packed forward; rows are packed only where
         a cost model says that forwards fewer FLOPs within the plain path's peak memory. Off (logged
-        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP. See docs/performance.md.
+        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP, and for the update's
+        forward under `top_entropy_quantile` < 1 (its threshold ties break on float rounding). See
+        docs/performance.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)
         is played again on tasks drawn afresh from the training set, up to this many times,
@@ -381,6 +386,11 @@ class BiPACEConfig(GRPOConfig):
             "help": "hook (during a pass that runs anyway: prefill, or the old-logprob pass under vLLM) "
             "| forward (one extra no-grad pass)."
         },
+    )
+    capture_hidden_states: bool = field(
+        default=False,
+        metadata={"help": "Capture each step's hidden state even where the estimator's partition does not read it "
+                  "(a study recording it); by hidden_capture's route."},
     )
     importance_sampling_level: str | None = field(
         default=None,
@@ -539,7 +549,7 @@ class BiPACEConfig(GRPOConfig):
                 "rollout itself (one sample per env step): pass environment_factory/tools, or env_name, instead."
             )
         if args is None:
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "name_or_path", "") or "model"
             args = cls(f"{str(name).rstrip('/').split('/')[-1]}-BiPACE")
         if not isinstance(args, BiPACEConfig):
             raise TypeError(
@@ -574,7 +584,7 @@ class BiPACEConfig(GRPOConfig):
 
     def _check_multi_turn_reward_settings(self, one_step: bool) -> None:
         """TRL's reward settings that have no step-level form: honoured on one-step episodes (plain prompts,
-        `trl_advantages`), refused on multi-turn ones (`GRPO_FIELDS`)."""
+        `update.one_step`), refused on multi-turn ones (`GRPO_FIELDS`)."""
         if self.multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} must be one of {AGGREGATIONS}.")
         if one_step:
@@ -591,23 +601,13 @@ class BiPACEConfig(GRPOConfig):
                 "weighted sum) to its steps; set multi_objective_aggregation='sum_then_normalize'."
             )
 
-    def set_one_step_estimator(self) -> None:
-        """Plain prompts: the prompt is the only state, shared by the group, so the estimator is the episode
-        term alone (GRPOTrainer's advantage, `trl_advantages`, replaces it); a graph preset's step return,
-        which needs cells, goes with the step term."""
-        self.estimator = dataclasses.replace(
-            self.estimator, step_partition="none", step_baseline=None, w_ep=1.0, w_step=0.0, context_levels=0,
-            step_return="discounted", normalize_distance=False, similarity_merge=False,
-        )
-
     # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
-    # returns) skips the checks that touch the machine (a GPU for bf16) or the env's data (listing
-    # ALFWorld's tasks generates its games); they wait for the run.
+    # returns) skips the check that touches the machine (a GPU for bf16); it waits for the run.
     printing_only: ClassVar[bool] = False
 
     @classmethod
     def for_printing(cls) -> type:
-        """This config's class with the machine and data checks skipped: what `--print_config` parses into."""
+        """This config's class with the machine check skipped: what `--print_config` parses into."""
         return type(f"Printed{cls.__name__}", (cls,), {"printing_only": True, "__doc__": cls.__doc__})
 
     def __post_init__(self):
@@ -810,24 +810,8 @@ class BiPACEConfig(GRPOConfig):
             ) from None
         except ValueError:  # no introspectable signature (a builtin or C factory): the env build will tell
             pass
-        if self.printing_only:  # listing tasks can build data (ALFWorld generates its games)
-            return
-        for name in ("train_split", "eval_split"):
-            split = getattr(self, name)
-            try:
-                specs = env_class.tasks(split, **self.env_kwargs)
-            except EnvUnavailableError as err:
-                raise EnvUnavailableError(f"env_name={self.env_name!r}: {err}") from None
-            except Exception as err:
-                raise ValueError(
-                    f"env_kwargs={self.env_kwargs!r}: {env_class.__name__}.tasks({split!r}) raised "
-                    f"{type(err).__name__}: {err}; fix the values."
-                ) from None
-            if not specs:
-                raise ValueError(
-                    f"{name}={split!r} of {self.env_name!r} has no tasks with env_kwargs={self.env_kwargs!r}; "
-                    "pick another split or other env_kwargs."
-                )
+        # Listing the splits' tasks is env I/O (ALFWorld generates its games): the trainer and bipace-train's
+        # pre-flight do it, before any model loads (`rollout.collector.check_env_tasks`), never a config's build.
 
     def _check_milestones(self) -> None:
         """An estimator that reads milestones (BEACON's) needs an env that gives them (`envs.base`, "Milestones")."""

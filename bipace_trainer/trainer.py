@@ -1,17 +1,16 @@
 """`BiPACETrainer`: TRL's GRPOTrainer trained on multi-turn env rollouts, one sample per env step.
 
-    collect (`RolloutCollector`, through `self.policy`) → estimate (`rollout.scoring`) → TRL's loss
+    collect (`RolloutCollector`, through `self.policy`) → estimate (`update.scoring`) → TRL's loss
 
 Rows of a generation batch are tasks, each `num_generations` times; the collector plays them through
-`self.policy` (`rollout.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch
-with the estimator's advantage. What it takes of TRL's internals, and hands back, comes through its base
-`trl_adapter.GRPOAdapter`, the one module that touches GRPOTrainer's private names; this one touches
-none (tests/test_seam.py). Everything else (loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is
-TRL's; with `shared_prefix` each shared token prefix is forwarded once in TRL's log-prob passes
-(`shared_prefix.py`). Guards: docs/RELIABILITY.md.
+`self.policy` (`update.policy.TRLPolicy`: TRL's own generation), each env step one row of TRL's batch with
+the estimator's advantage. What it takes of TRL's internals comes through its base `update.adapter.GRPOAdapter`
+(the ledger, `trl_compat`, lists each name); this one touches none (tests/test_seam.py). Everything else
+(loss, clipping, KL, optimizer, logging, vLLM, DeepSpeed) is TRL's; with `shared_prefix` each shared token
+prefix is forwarded once in TRL's log-prob passes (`update/shared_prefix.py`). Guards: docs/RELIABILITY.md.
 
 A plain prompt dataset with `reward_funcs` is a set of one-step episodes, trained with GRPOTrainer's
-own advantage (`trl_advantages`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
+own advantage (`update.one_step`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
 its rows as a training batch (`_eval_batch`). What the trainer does with each GRPOConfig field is
 `config.GRPO_FIELDS`; docs/tutorials/coming-from-trl.md says it for users.
 """
@@ -28,23 +27,27 @@ import torch
 from datasets import Dataset
 from transformers import ProgressCallback
 
-from . import memory
+from . import trl_compat
 from .advantages import StepAdvantageEstimator
 from .config import BiPACEConfig
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import write_model_card
-from .rollout.collector import RolloutCollector, TextEnvSource, ToolEnvSource, env_reward, sharded_forward, task_dataset
-from .rollout.hidden import HiddenPlan, clamp_layer
+from .rollout.collector import (
+    RolloutCollector, TextEnvSource, ToolEnvSource, check_env_tasks, env_reward, sharded_forward, task_dataset,
+)
+from .rollout.hidden import HiddenPlan
 from .rollout.loop import Rollout, TaskRef
-from .rollout.overlap import Prefetched, RolloutOverlap, check_overlap
-from .rollout.policy import TRLPolicy
-from .rollout.scoring import ScoredRollout, generation_metrics, score_rollout
 from .rollout.tool_envs import check_environment_factory, check_milestones
 from .run import checkpointing, evaluation, resampling, run_dir
 from .run.callbacks import GracefulStopCallback, NumericProgressCallback, TrainingInterrupted
 from .run.evaluation import EvaluationCallback, FinalEvaluationCallback
-from .shared_prefix import SharedPrefixForward
-from .trl_adapter import GRPOAdapter
+from .run.plan import derive_plan
+from .update import memory
+from .update.adapter import GRPOAdapter
+from .update.overlap import Prefetched, RolloutOverlap, check_overlap
+from .update.policy import TRLPolicy
+from .update.scoring import ScoredRollout, generation_metrics, score_rollout
+from .update.shared_prefix import SharedPrefixForward
 
 __all__ = ["BiPACETrainer", "TrainingInterrupted"]
 
@@ -70,8 +73,9 @@ class BiPACETrainer(GRPOAdapter):
         peft_config, callbacks, reward_processing_classes, optimizers, quantization_config: TRL's;
         rollout_func: refused (it replaces the generation this trainer plays turn by turn).
 
-    Call `close_envs()` when done. A subclass changes what it needs through `on_rollout`,
-    `evaluate_policy` and `skip_update_without_signal`.
+    Call `close_envs()` when done. A subclass changes what it needs through the documented hooks
+    (docs/architecture.md#hooks): `generate_and_score`, `collect`, `on_scored`, `on_rollout`,
+    `evaluate_policy`, `compute_loss` and `skip_update_without_signal`; never a private method.
     """
 
     _tag_names = ["trl", "bipace", "multi-turn-agent"]
@@ -100,13 +104,16 @@ class BiPACETrainer(GRPOAdapter):
         # GRPOTrainer's signature, keyword for keyword and in its order, with its defaults.
         trl_envs = environment_factory is not None or bool(tools)
         args = BiPACEConfig.for_trainer(model, args, rollout_func, reward_funcs, trl_envs, train_dataset)
+        trl_compat.verify_ledger(args.use_vllm)  # every private name we borrow is there, before the model loads
         plain_prompts = args.plain_prompts(reward_funcs, trl_envs)
+        if not (trl_envs or plain_prompts):  # our env's splits list tasks (env I/O: here, not in the config)
+            check_env_tasks(args.env_name, args.env_kwargs, {"train_split": args.train_split, "eval_split": args.eval_split})
         trl_envs = trl_envs or plain_prompts  # scored by TRL's reward_funcs
         check_environment_factory(environment_factory, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         check_milestones(environment_factory, needed=trl_envs and not plain_prompts and args.estimator.uses_milestones)
         if model is None or isinstance(model, str):
             model = resolve_model_name(model)  # "embedded" → the converted SmolLM2, as in train.py
-        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        name = model if isinstance(model, str) else getattr(model.config, "name_or_path", "")
         if processing_class is None and name:
             processing_class = load_tokenizer(
                 name, truncation_side="left", padding_side="left", trust_remote_code=args.trust_remote_code
@@ -122,11 +129,11 @@ class BiPACETrainer(GRPOAdapter):
             environment_factory=environment_factory,
         )
         self.one_step = plain_prompts
-        if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`trl_advantages`)
-            args.set_one_step_estimator()
-            logger.info(f"Plain prompts: each a one-step episode with GRPOTrainer's advantage (preset={args.preset!r} "
-                        "has no step term to add where the prompt is the only state).")
-        self.estimator = StepAdvantageEstimator(args.estimator)
+        # derived once, never written into `args`: two trainers of one config are independent (`run.plan`)
+        self.plan = derive_plan(args, plain_prompts, self.accelerator.unwrap_model(self.model), self.use_vllm)
+        if plain_prompts:  # the prompt is the only state, shared by the group: GRPOTrainer's advantage (`update.one_step`)
+            logger.info(f"Plain prompts: one-step episodes, GRPOTrainer's advantage (preset={args.preset!r} has no step term).")
+        self.estimator = StepAdvantageEstimator(self.plan.estimator)
         self.cap_turns(args.max_turn_length)
         self._build_rollout(args, trl_envs, len(user_rewards), eval_dataset)
         self.eval_history: list[dict[str, Any]] = []
@@ -143,10 +150,7 @@ class BiPACETrainer(GRPOAdapter):
 
     def _build_rollout(self, args: BiPACEConfig, trl_envs: bool, num_user_rewards: int, eval_dataset) -> None:
         """The policy (TRL's generation), the hidden-state plan, the env source and the collector."""
-        needs_hidden = "hidden" in args.estimator.rollout_needs
-        if needs_hidden:
-            args.cluster_layer = clamp_layer(self.accelerator.unwrap_model(self.model), args.cluster_layer)
-        self.hidden_plan = HiddenPlan.choose(needs_hidden, args.hidden_capture, self.use_vllm, args.cluster_layer)
+        self.hidden_plan = self.plan.hidden
         self.policy = TRLPolicy(self.trl_generation())
         self.batch_spec = self.trl_batch_spec(mask_cut_episodes=trl_envs and not self.one_step)
         if trl_envs:
@@ -154,29 +158,20 @@ class BiPACETrainer(GRPOAdapter):
             source = ToolEnvSource(self.tool_env_setup(num_user_rewards), args, num_user_rewards, eval_rows)
         else:
             source = TextEnvSource(args)
-        self.collector = RolloutCollector(
-            self.policy, source, args, self.accelerator, self.hidden_plan, sharded=self.sharded_forward
-        )
+        self.collector = RolloutCollector(self.policy, source, args, self.accelerator, self.hidden_plan,
+                                          sharded=self.sharded_forward)
         self._sync = self.collector.sync
         self.shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
         self._overlap = self._rollout_overlap(trl_envs) if args.max_staleness else None
 
     def _rollout_overlap(self, trl_envs: bool) -> RolloutOverlap:
-        """`max_staleness=1`'s background rollouts (`rollout.overlap`), where nothing on the
-        background thread would have to run with the other ranks."""
+        """`max_staleness=1`'s background rollouts (`update.overlap`), where no forward waits for other ranks."""
         check_overlap(sharded_forward(self.accelerator, getattr(self, "is_fsdp_enabled", False)), trl_envs)
         return RolloutOverlap(self.collector, self.batch_spec, lambda: self.state.global_step, self.num_generations)
 
     @property
-    def needs_hidden(self) -> bool:
-        """The estimator's partition reads hidden states, so the rollout captures them."""
+    def needs_hidden(self) -> bool:  # the rollout captures hidden states (the partition reads them, or asked)
         return self.hidden_plan.source != "none"
-
-    @needs_hidden.setter
-    def needs_hidden(self, value: bool) -> None:
-        """Re-choose the run's `HiddenPlan` (a study that records states the estimator does not read)."""
-        self.hidden_plan = HiddenPlan.choose(value, self.args.hidden_capture, self.use_vllm, self.args.cluster_layer)
-        self.collector.hidden = self.hidden_plan
 
     # ------------------------------------------------------------------ the run
 
@@ -218,18 +213,19 @@ class BiPACETrainer(GRPOAdapter):
 
     # ------------------------------------------------------------------ the seam
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
+    def generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
+        """Hook: one generation batch (TRL's `_generate_and_score_completions`, through `GRPOAdapter`), played
+        as multi-turn episodes and scored: TRL's batch, one row per env step (training and evaluation)."""
         if not self.model.training:  # TRL's evaluate (eval_dataset, eval_strategy)
             return self._eval_batch(inputs)
         tasks = self.collector.task_refs(inputs, group_size=self.num_generations)
-        # max_staleness=1: this generation may have been played during the previous update (`rollout.overlap`)
+        # max_staleness=1: this generation may have been played during the previous update (`update.overlap`)
         prefetched = self._overlap.take(inputs) if self._overlap is not None else None
-        # a subclass's `_scored_rollout(self, tasks)` (a timing bench's, a recorder's) keeps working without overlap
-        scored = self._scored_rollout(tasks, prefetched) if prefetched is not None else self._scored_rollout(tasks)
+        scored = self.collect(tasks, prefetched)
         # Dynamic sampling (DAPO's, per generation): a batch with no signal on any rank is played again on
         # freshly drawn tasks, up to `resample_without_signal` times; every rank draws and decides alike.
         outcome = resampling.resample_until_signal(
-            scored, lambda attempt: self._scored_rollout(self._redraw_tasks(tasks, attempt)),
+            scored, lambda attempt: self.collect(self._redraw_tasks(tasks, attempt)),
             max_attempts=self.args.resample_without_signal, max_seconds=self.args.resample_max_seconds,
             stop_requested=lambda: self._graceful_stop.stop_requested, agree=self._sync.any,
             step=self.state.global_step + 1, log=self.accelerator.is_main_process,
@@ -257,18 +253,26 @@ class BiPACETrainer(GRPOAdapter):
             self._overlap.start_next(inputs)  # the next generation plays while this one trains
         return scored.batch
 
-    def _scored_rollout(self, tasks: list[TaskRef], prefetched: Prefetched | None = None) -> ScoredRollout:
-        """Play `tasks` (or take the `prefetched` rollout of them, `max_staleness=1`) and score it
-        (`scoring.score_rollout`: TRL's batch, the estimator's advantages, whether any rank has signal)."""
+    def collect(self, tasks: list[TaskRef], prefetched: Prefetched | None = None) -> ScoredRollout:
+        """Hook: play `tasks` (or take the `prefetched` rollout of them, `max_staleness=1`) and score it
+        (`scoring.score_rollout`: TRL's batch, the estimator's advantages, whether any rank has signal).
+        Called for every training generation and each resampling of it; ends with `on_scored`. A
+        subclass may wrap it (a bench timing the rollout)."""
         if prefetched is not None:
             played = prefetched.rollout
             self.collector.check_failures(played)  # the guard the foreground collect runs itself
         else:
             played = self.collector.collect("train", tasks, traj_offset=self.accelerator.process_index * len(tasks))
-        return score_rollout(
+        scored = score_rollout(
             played, self.batch_spec, self.estimator, self._sync, self.hidden_plan, self.args.penalize_env_failures,
             prefetched, advantages_of=self.one_step_advantages(self.num_generations),
         )
+        return self.on_scored(scored)
+
+    def on_scored(self, scored: ScoredRollout) -> ScoredRollout:
+        """Hook: each scored training rollout (`collect`'s), before the resampling decision and the update;
+        returns it or a replacement (`scored._replace(...)`)."""
+        return scored
 
     def _eval_batch(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's `evaluate` (`eval_dataset` with `eval_strategy`): its rows played on the eval envs at the
@@ -337,7 +341,8 @@ class BiPACETrainer(GRPOAdapter):
 
     def evaluate_policy(self, tag: str = "manual", split: str | None = None) -> dict[str, Any]:
         """Success rate on the held-out tasks of `split` (default `eval_split`) at `eval_temperature`,
-        overall and per task type (`evaluation.play_evaluation`): logged, appended to `eval_history` and
+        overall and per task type (`evaluation.play_evaluation`, sampling from `seed`: every evaluation
+        draws the same stream, which `bipace-eval OUTPUT_DIR` replays): logged, appended to `eval_history` and
         `<output_dir>/eval_results.json`, and returned. Every rank must call it. The evaluation
         callbacks call it with tag "before", "interval" and "final"; a subclass may override it.
         A "final" result is logged at once (the run is ending), the others with the next training log."""
@@ -347,7 +352,7 @@ class BiPACETrainer(GRPOAdapter):
         self.final_rng = checkpointing.rng_state() if tag == "final" else None  # where a stopped one resumes
         result = evaluation.play_evaluation(
             self.collector, self.eval_task_refs(split), temperature=self.args.eval_temperature,
-            step=self.state.global_step, tag=tag, split=split, model=self.model,
+            step=self.state.global_step, tag=tag, split=split, seed=self.args.seed, model=self.model,
         )
         if result:
             evaluation.keep_result(
@@ -386,7 +391,7 @@ class BiPACETrainer(GRPOAdapter):
             write_model_card(
                 Path(output_dir or self.args.output_dir), self.args, self.model, model_name, steps=self.state.global_step,
                 source=self.collector.source, eps=self.estimator.eps_in_use, eval_history=self.eval_history,
-                recipe=getattr(self, "recipe", None),
+                recipe=getattr(self, "recipe", None), estimator=self.plan.estimator, cluster_layer=self.plan.cluster_layer,
             )
 
     def close_envs(self) -> None:

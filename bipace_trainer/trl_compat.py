@@ -1,4 +1,11 @@
-"""Everything bipace-trainer changes or reads inside TRL, vLLM and transformers, in one place.
+"""The ledger: everything bipace-trainer changes, reads, calls or copies inside TRL, vLLM and transformers.
+
+Two tables, one `LEDGER`: `PATCHES` (what the package changes, below) and `BORROWED` (each private name
+it reads, calls or overrides without changing it, and each private behaviour it replicates: what, the
+files that do it, the versions checked, why). `verify_ledger` resolves every name in the installed
+libraries when a trainer is built (and in `bipace-train`'s pre-flight), before any model loads: a
+missing one is one line naming it and its entry. Outside `bipace_trainer/update/` and this module no
+code reaches a private name of these libraries (tests/update/test_ledger.py, on the source).
 
 A multi-turn trainer needs a few things TRL's single-turn GRPO has no seam for. Each one is a
 `Patch` in `PATCHES`: what it touches, why, and the versions it was written and tested against.
@@ -8,7 +15,7 @@ works unchanged, one that moves them fails in this file, with the patch's name, 
 somewhere else). A library that is not installed is not checked (vLLM is optional).
 
 No patch is applied at import, and none outlives the trainer that needs it, so a plain
-`GRPOTrainer` in the same process runs TRL's own code (`tests/test_trl_compat.py`):
+`GRPOTrainer` in the same process runs TRL's own code (`tests/update/test_trl_compat.py`):
 
 - Process-wide, where TRL reads a module global at call time and offers no per-instance seam:
   context managers that set the global and put TRL's own value back on exit. `BiPACETrainer.train`
@@ -20,7 +27,7 @@ No patch is applied at import, and none outlives the trainer that needs it, so a
 - Process-wide in transformers: `routed_attention` (the shared-prefix forward's attention, inside
   `BiPACETrainer.train`) routes transformers' "sdpa" entry for calls that carry a packed layout.
 - Read only: `fused_lm_head_settings` reads the closure TRL's `add_fused_lm_head` leaves on a
-  model, so a copy of the model gets its own fused head (`rollout.overlap.snapshot_module`).
+  model, so a copy of the model gets its own fused head (`update.overlap.snapshot_module`).
 
 May import nothing from the package: every other module may import it.
 """
@@ -28,7 +35,10 @@ May import nothing from the package: every other module may import it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import importlib.metadata
+import inspect
 import re
 import types
 import warnings
@@ -39,6 +49,11 @@ from typing import Any, Callable, Iterator
 __all__ = [
     "Patch",
     "PATCHES",
+    "Borrowed",
+    "BORROWED",
+    "LEDGER",
+    "LedgerError",
+    "verify_ledger",
     "check_versions",
     "logprob_tiles",
     "labelled_positions_on_cpu",
@@ -50,6 +65,10 @@ __all__ = [
     "fused_lm_head_settings",
     "forward_closes_over",
     "routed_attention",
+    "grpo_citation",
+    "vllm_client_post",
+    "vllm_request_renderer",
+    "uses_default_dynamic_cache",
 ]
 
 Version = tuple[int, ...]
@@ -108,24 +127,25 @@ PATCHES: dict[str, Patch] = {
         ),
         Patch(
             "engine_awake", ("trl",), TRL_1_16,
-            ("VLLMGeneration.enable_sleep_mode", "VLLMGeneration._llm_weights_sleeping"),
+            ("trl.generation.vllm_generation.VLLMGeneration.enable_sleep_mode",
+             "trl.generation.vllm_generation.VLLMGeneration._llm_weights_sleeping"),
             "with colocate sleep mode TRL wakes and sleeps the engine around every generate call, a rollout "
             "wants it awake across all its turns",
         ),
         Patch(
             "install_cpu_weight_loading", VLLM, VLLM_TESTED,
             ("LLM.llm_engine.model_executor.driver_worker.model_runner.reload_weights",
-             "VLLMGeneration._iter_named_params"),
+             "trl.generation.vllm_generation.VLLMGeneration._iter_named_params"),
             "vLLM's CPU build repacks its GEMM weights at load and drops their weight_loader, so TRL's "
             "per-parameter load_weights fails; reload_weights loads a checkpoint-format iterator instead",
         ),
         Patch(
-            "wrap_llm_generate", VLLM, VLLM_TESTED, ("LLM.generate", "RequestOutput.num_cached_tokens"),
+            "wrap_llm_generate", VLLM, VLLM_TESTED, ("vllm.LLM.generate", "vllm.outputs.RequestOutput.num_cached_tokens"),
             "TRL drops how many prompt tokens each request took from vLLM's prefix cache; the rollout logs it",
         ),
         Patch(
             "fused_lm_head_settings", ("trl",), TRL_1_16,
-            ("trl.trainer.utils.add_fused_lm_head (its _fused_forward closure)",),
+            ("trl.trainer.utils.add_fused_lm_head",),
             "a copy of the policy (max_staleness=1) must score with its own weights, and deepcopy keeps the "
             "fused head's closure over the original module's forward",
         ),
@@ -135,6 +155,138 @@ PATCHES: dict[str, Patch] = {
             "models look their attention function up by name at every call (gradient checkpointing's replay "
             "too); the shared-prefix forward's layout must reach it without an N x N mask, and only "
             "AttentionInterface's per-instance mapping can be set for a scope and put back",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Borrowed(Patch):
+    """A private name of TRL, vLLM or transformers the package reads, calls, overrides or replicates
+    without patching it (`Patch` fields, and:)
+
+    Attributes:
+        how: "reads", "calls", "overrides" (a private method of TRL's trainer redefined in a subclass)
+            or "replicates" (TRL's private behaviour copied: `touches` names the original).
+        where: the package's files that do it (paths under bipace_trainer/).
+        required: False for a capability probe the code does without where it is absent.
+    """
+
+    how: str = "reads"
+    where: tuple[str, ...] = ()
+    required: bool = True
+
+
+GRPO = "trl.trainer.grpo_trainer.GRPOTrainer"
+TRAINER = "transformers.trainer.Trainer"
+TRANSFORMERS_CHECKED = ((5, 17), (5, 26))  # 5.25 in the project's environment, 5.17 in the vLLM tests' one
+ADAPTER = ("update/adapter.py",)
+
+BORROWED: dict[str, Borrowed] = {
+    entry.name: entry
+    for entry in (
+        Borrowed(
+            "trl_generation", ("trl",), TRL_1_16,
+            (f"{GRPO}._generate_single_turn", f"{GRPO}._tokenizer", f"{GRPO}._last_loaded_step", f"{GRPO}._dist",
+             f"{GRPO}._is_vlm"),
+            "the rollout generates each turn through TRL's own single-turn generation (HF or vLLM), and "
+            "its weight pushes are TRL's (the step it last loaded)", how="calls", where=ADAPTER,
+        ),
+        Borrowed(
+            "tokenize_prompts", ("trl",), TRL_1_16, (f"{GRPO}._tokenize_prompts", f"{GRPO}._batch_environments"),
+            "TRL renders each prompt with its environment's tool schema; the override bounds each prompt by "
+            "the model's context", how="overrides", where=ADAPTER,
+        ),
+        Borrowed(
+            "tool_env_setup", ("trl",), TRL_1_16,
+            (f"{GRPO}._env_tools", f"{GRPO}._multi_environment", f"{GRPO}._standalone_tools",
+             f"{GRPO}._get_tool_suffix_ids", f"{GRPO}._pending_metrics", f"{GRPO}._pending_extra_logs"),
+            "TRL's environment_factory and tools are played turn by turn with what GRPOTrainer.__init__ set up, "
+            "and the reward logs its envs leave are taken as TRL takes them", where=ADAPTER,
+        ),
+        Borrowed(
+            "calculate_rewards", ("trl",), TRL_1_16, (f"{GRPO}._calculate_rewards",),
+            "the user's reward_funcs score each episode as TRL scores a completion", how="calls", where=ADAPTER,
+        ),
+        Borrowed(
+            "per_token_logps", ("trl",), TRL_1_16, (f"{GRPO}._get_per_token_logps_and_entropies",),
+            "TRL's log-prob pass, overridden to forward each shared prefix once (update/shared_prefix.py) and "
+            "called for the old and reference log-probs of each env step", how="overrides", where=ADAPTER,
+        ),
+        Borrowed(
+            "metric_buffers", ("trl",), TRL_1_16, (f"{GRPO}._metrics", f"{GRPO}._logs"),
+            "TRL's own metrics and completion logs of a generation are written where TRL's log reads them",
+            where=ADAPTER,
+        ),
+        Borrowed(
+            "generation_buffer", ("trl",), TRL_1_16, (f"{GRPO}._step", f"{GRPO}._buffered_inputs"),
+            "a checkpoint holds TRL's mid-generation buffer, so a resume trains on the same samples",
+            where=ADAPTER,
+        ),
+        Borrowed(
+            "checkpoint", ("transformers",), TRANSFORMERS_CHECKED,
+            (f"{TRAINER}._save_checkpoint", f"{TRAINER}._get_output_dir", f"{TRAINER}._load_optimizer_and_scheduler",
+             f"{TRAINER}._load_rng_state", f"{TRAINER}._get_train_sampler"),
+            "TRL's checkpoint written atomically with the run's own state, restored with it, and the "
+            "sampler's order kept on resume", how="overrides", where=ADAPTER,
+        ),
+        Borrowed(
+            "custom_rollout", ("trl",), TRL_1_16, (f"{GRPO}._generate_and_score_completions",),
+            "TRL's one seam for a custom rollout: the generation batch is played as multi-turn episodes",
+            how="overrides", where=ADAPTER,
+        ),
+        Borrowed(
+            "grpo_citation", ("trl",), TRL_1_16, ("trl.GRPOTrainer._paper",),
+            "the model card cites GRPO as TRL's own card does", how="reads", where=("trl_compat.py",),
+        ),
+        Borrowed(
+            "vllm_client_post", ("trl",), TRL_1_16, ("trl.generation.vllm_client.VLLMClient._post",),
+            "the continuous rollout on a vLLM server sends completions requests through TRL's client session "
+            "(its retries, its host and port)", how="calls", where=("trl_compat.py",),
+        ),
+        Borrowed(
+            "vllm_render_request", VLLM, VLLM_TESTED, ("vllm.LLM._preprocess_cmpl_one",),
+            "a request added to the colocate engine step by step must be rendered as LLM.generate renders it",
+            how="calls", where=("trl_compat.py",), required=False,
+        ),
+        Borrowed(
+            "default_dynamic_cache", ("transformers",), TRANSFORMERS_CHECKED,
+            ("transformers.PreTrainedModel._supports_default_dynamic_cache",),
+            "the HF prefix cache stitches a DynamicCache; a model that says it uses another cache gets none",
+            how="calls", where=("trl_compat.py",), required=False,
+        ),
+        Borrowed(
+            "attention_implementation", ("transformers",), TRANSFORMERS_CHECKED,
+            ("transformers.PretrainedConfig._attn_implementation",),
+            "the shared-prefix forward lays rows out for the attention the model runs (sdpa, eager, flash)",
+            where=("update/shared_prefix.py",),
+        ),
+        Borrowed(
+            "generation_config", ("trl",), TRL_1_16, (f"{GRPO}.__init__",),
+            "a plain model (bipace-eval) generates with the GenerationConfig GRPOTrainer.__init__ builds, and its "
+            "eos ids (generation_config_for, eos_token_ids_of)", how="replicates", where=("rollout/policy.py",),
+        ),
+        Borrowed(
+            "completion_cut", ("trl",), TRL_1_16, (f"{GRPO}._generate_single_turn",),
+            "a plain model's completions cut after their first eos, and its sampled token's log-prob, as TRL's "
+            "HF generation does (cut_after_eos, ModelPolicy, VLLMPolicy)", how="replicates",
+            where=("rollout/policy.py",),
+        ),
+        Borrowed(
+            "logprob_pass_rules", ("trl",), TRL_1_16, (f"{GRPO}._generate_and_score_completions",),
+            "the old and reference log-prob passes run exactly when TRL's loss reads them (_loss_reads_old_logps, "
+            "reference_logps), and TRL's vLLM importance-sampling ratio", how="replicates",
+            where=("update/batching.py",),
+        ),
+        Borrowed(
+            "generation_metrics", ("trl",), TRL_1_16, (f"{GRPO}._generate_and_score_completions",),
+            "GRPOTrainer's metric names and meanings, computed per episode (reward, completions/*, tools/*, "
+            "num_tokens)", how="replicates", where=("update/metrics.py",),
+        ),
+        Borrowed(
+            "one_step_advantage", ("trl",), TRL_1_16, (f"{GRPO}._generate_and_score_completions",),
+            "plain prompts are trained with GRPOTrainer's own advantage (scale_rewards, multi-objective "
+            "aggregation)", how="replicates", where=("update/one_step.py",),
         ),
     )
 }
@@ -156,10 +308,10 @@ def installed_version(distributions: tuple[str, ...]) -> str | None:
 
 
 def check_versions(versions: Callable[[tuple[str, ...]], str | None] = installed_version) -> list[str]:
-    """Warn once per patch whose library is installed outside the patch's tested range; returns
-    the names of those patches. `versions` maps distribution names to the installed version."""
+    """Warn once per ledger entry (a patch, a borrowed name) whose library is installed outside its tested
+    range; returns the names of those entries. `versions` maps distribution names to the installed version."""
     outside = []
-    for patch in PATCHES.values():
+    for patch in LEDGER.values():
         version = versions(patch.library)
         if version is None:
             continue
@@ -167,13 +319,84 @@ def check_versions(versions: Callable[[tuple[str, ...]], str | None] = installed
         if not low <= _release(version) < high:
             outside.append(patch.name)
             warnings.warn(
-                f"bipace_trainer.trl_compat: patch {patch.name!r} was written for {patch.range_text()}, and "
+                f"bipace_trainer.trl_compat: {'ledger entry' if isinstance(patch, Borrowed) else 'patch'} {patch.name!r} was written for {patch.range_text()}, and "
                 f"{patch.library[0]} {version} is installed; it is applied anyway ({patch.reason}). If training "
                 f"fails in bipace_trainer/trl_compat.py, install {patch.range_text()}.",
                 RuntimeWarning,
                 stacklevel=2,
             )
     return outside
+
+
+# ---------------------------------------------------------------------- the ledger, verified when a trainer is built
+
+LEDGER: dict[str, Patch] = {**PATCHES, **BORROWED}
+
+
+class LedgerError(ImportError):
+    """An installed library lacks a name the ledger lists: one line naming it and its entry."""
+
+
+@functools.lru_cache(maxsize=None)
+def _instance_attributes(cls: type) -> frozenset[str]:
+    """Every `self.<name> = ...` the source of `cls` and its bases writes (instance attributes)."""
+    names = set()
+    for klass in cls.__mro__[:-1]:  # object aside
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # a builtin or a class without source
+            continue
+        names |= set(re.findall(r"\bself\.([A-Za-z_]\w*)\s*(?::[^=\n]+)?=(?!=)", source))
+    return frozenset(names)
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `dotted` (module.Class.attribute) names something the installed library has: an attribute
+    of the module or class, or an instance attribute the class's source sets (`self.name = ...`)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ImportError:
+            continue
+    else:
+        return False
+    for index, name in enumerate(parts[cut:]):
+        if hasattr(target, name):
+            target = getattr(target, name)
+        else:
+            last = index == len(parts) - cut - 1
+            return last and inspect.isclass(target) and name in _instance_attributes(target)
+    return True
+
+
+def missing_names(libraries: tuple[str, ...] = ("trl", "transformers")) -> list[tuple[str, str]]:
+    """(entry, name) of each required name of the ledger, in one of `libraries` and installed, that
+    does not resolve. A name on a runtime object (not a module path) is checked where it is used."""
+    missing = []
+    for entry in LEDGER.values():
+        for name in entry.touches:
+            library = name.split(".")[0]
+            if library not in libraries or not getattr(entry, "required", True):
+                continue
+            if installed_version(VLLM if library == "vllm" else (library,)) is not None and not resolves(name):
+                missing.append((entry.name, name))
+    return missing
+
+
+def verify_ledger(use_vllm: bool = False) -> None:
+    """Raise `LedgerError` (one line) naming the first ledger name the installed TRL or transformers (and
+    vLLM, with `use_vllm`) lacks, before any model loads: an upgrade names what broke instead of failing
+    deep inside a run. The trainer calls it first thing, and `bipace-train`'s pre-flight."""
+    for entry_name, name in missing_names(("trl", "transformers", "vllm") if use_vllm else ("trl", "transformers")):
+        entry = LEDGER[entry_name]
+        version = installed_version(entry.library)
+        raise LedgerError(
+            f"bipace_trainer.trl_compat: {entry.library[0]} {version} has no {name} (ledger entry {entry_name!r}, "
+            f"{getattr(entry, 'how', 'patches')} it for: {entry.reason}; checked against {entry.range_text()}); "
+            f"install {entry.range_text()}."
+        )
 
 
 def _missing(patch: str, where: str) -> AttributeError:
@@ -222,7 +445,7 @@ def labelled_positions_on_cpu(device) -> Iterator[bool]:
     whether to gather the labelled positions before its tiles; inside the scope the answer is
     yes for a CPU too (the tiles still fold in torch: the kernel module's own `_use_triton` is
     left alone). Log-probs, entropies and gradients equal the all-positions path's to float
-    rounding (`tests/test_memory.py`). Yields whether the answer was changed."""
+    rounding (`tests/update/test_memory.py`). Yields whether the answer was changed."""
     if not _is_cpu(device):
         yield False
         return
@@ -400,6 +623,35 @@ def forward_closes_over(function, originals: set[int]) -> bool:
         if isinstance(value, types.MethodType) and id(value.__self__) in originals:
             return True
     return False
+
+
+# ---------------------------------------------------------------------- read or called: the ledger's BORROWED names
+
+
+def grpo_citation() -> str:
+    """GRPO's BibTeX as TRL's own model card cites it (ledger: `grpo_citation`)."""
+    import trl
+
+    return trl.GRPOTrainer._paper["citation"]
+
+
+def vllm_client_post(client) -> Callable:
+    """TRL's `VLLMClient` session's POST (its retries, host and port), for requests TRL's client has no
+    method for (ledger: `vllm_client_post`)."""
+    return client._post
+
+
+def vllm_request_renderer(llm) -> Callable | None:
+    """What vLLM's `LLM.generate` turns a prompt into before the engine gets it, for a request added to
+    the engine directly; None where this vLLM adds prompts as given (ledger: `vllm_render_request`)."""
+    return getattr(llm, "_preprocess_cmpl_one", None)
+
+
+def uses_default_dynamic_cache(model) -> bool:
+    """Whether transformers generates `model` with its default `DynamicCache` (a model class may say
+    it uses another; one that says nothing does) (ledger: `default_dynamic_cache`)."""
+    says = getattr(model, "_supports_default_dynamic_cache", None)
+    return says is None or bool(says())
 
 
 check_versions()

@@ -157,3 +157,105 @@ def test_the_own_env_tutorial_example_plays(tmp_path):
     with pytest.raises(ValueError, match="preset='beacon' reads milestones"):
         BiPACEConfig(output_dir=str(tmp_path), env_name="guess", preset="beacon", report_to="none", tasks_per_iteration=1,
                      num_generations=2, per_device_train_batch_size=2)  # fmt: skip
+
+
+# ------------------------------------------------------------------ figures that a commit could stale
+
+# A measured figure: a time, a size, a rate or a ratio ("557 s", "1.29 GiB", "236 tokens/s", "2.9×").
+MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ms|s|min|minutes|seconds|hours|h|GB|MB|GiB|MiB|kB|KB|"
+                      r"tokens/s|steps/s|it/s)(?![\w/])|(?<![\w.])\d+(?:\.\d+)?×(?!\s?\d)")  # fmt: skip
+# What places it: a date, a machine, a command that measures it.
+PLACED = {"date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+          "machine": re.compile(r"\bcores?\b|GPU|H100|H200|EPYC|AVX|machine", re.I),
+          "command": re.compile(r"`[^`\n]*(?:python|pytest|bench[./]|studies\.|train\.py|bipace-)[^`\n]*`|```bash")}  # fmt: skip
+# A count of the project itself, stale at the next commit that adds a test or a file.
+PROJECT_COUNT = re.compile(r"(?<![\w.])\d[\d,]*\s+(?:(?:fast|slow|end-to-end)\s+)?(?:tests|test files|lines of code|source files)\b(?!/)")
+GENERATED = re.compile(r"<!-- generated: .*? -->.*?<!-- end generated -->", re.S)
+# Pages of measurements: each is dated as a whole (its date, machine and commands), its tables hold the figures.
+RESULT_PAGES = [ROOT / "docs" / "RESULTS.md", ROOT / "docs" / "performance.md", *sorted((ROOT / "docs" / "results").glob("*.md"))]
+PROSE_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "tutorials").glob("*.md")),
+               *sorted((ROOT / "docs" / "concepts").glob("*.md"))]  # fmt: skip
+PROSE_PAGES = [page for page in PROSE_PAGES if page not in RESULT_PAGES]
+
+
+def prose(text: str, keep_tables: bool = True) -> str:
+    """`text` without generated blocks and code blocks (bash blocks are kept: they are commands), and
+    without tables unless `keep_tables`."""
+    blocks = re.compile(r"```(\w*)\n.*?```", re.S)  # whole blocks, in order: a closing fence never opens one
+    text = blocks.sub(lambda block: block.group(0) if block.group(1) == "bash" else "", GENERATED.sub("", text))
+    return "\n".join(line for line in text.splitlines() if keep_tables or not line.lstrip().startswith("|"))
+
+
+def unplaced(text: str) -> list[str]:
+    """What a text holding a measured figure does not name of its date, machine and command. A figure
+    written as code (`256 MB`, a setting's value; a size computed from a shape) is not a measurement."""
+    measured = MEASURED.search(re.sub(r"`[^`\n]*`", "", text))
+    return [name for name, pattern in PLACED.items() if not pattern.search(text)] if measured else []
+
+
+def test_every_measured_figure_in_a_prose_page_names_its_date_machine_and_command_in_its_section():
+    wrong = []
+    for page in PROSE_PAGES:
+        for section in re.split(r"\n(?=#{1,4} )", prose(page.read_text())):
+            missing = unplaced(section)
+            if missing:
+                wrong.append(f"{page.relative_to(ROOT)} [{section.lstrip().splitlines()[0][:70]}]: "
+                             f"{MEASURED.findall(section)[:4]} without a {', '.join(missing)}")  # fmt: skip
+    assert not wrong, "measured figures nobody can place (name when, where and how, or drop them):\n" + "\n".join(wrong)
+
+
+def test_every_results_page_names_its_dates_machines_and_commands():
+    wrong = [f"{page.relative_to(ROOT)}: no {', '.join(unplaced(page.read_text()))}"
+             for page in RESULT_PAGES if unplaced(page.read_text())]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_page_counts_the_projects_tests_or_files_in_prose():
+    found = [f"{page.relative_to(ROOT)}: {match.group(0)!r}" for page in [*PROSE_PAGES, *RESULT_PAGES]
+             for match in PROJECT_COUNT.finditer(prose(page.read_text()))]  # fmt: skip
+    assert not found, "a count the next commit makes wrong (drop it, or generate it):\n" + "\n".join(found)
+
+
+def test_the_figure_checks_find_what_they_look_for():
+    assert unplaced("It took 557 s wall.") == ["date", "machine", "command"]
+    assert unplaced("On 2026-12-01, 2 cores: `python train.py` took 557 s.") == []
+    assert unplaced("learning rate 5e-4, 3 steps of 4 rollouts") == []  # no measured figure
+    assert unplaced("a store bounded by `256 MB`") == []  # a setting, written as code
+    assert unplaced(prose("<!-- generated: x -->\ntime: 557 s\n<!-- end generated -->\n")) == []
+    assert PROJECT_COUNT.search("the 1,304 fast tests") and not PROJECT_COUNT.search("15 files of a few MB")
+    assert prose("```bash\npytest\n```\n(35 tests)\n```python\nx = 1\n```\n") == "```bash\npytest\n```\n(35 tests)\n"
+
+
+def test_the_readme_says_what_the_browser_tests_need_as_their_skip_reason_does():
+    readme = (ROOT / "README.md").read_text().split("## The two commands")[1].split("```bash")[1]
+    skip = (ROOT / "tests" / "reports" / "test_report_browser.py").read_text().split("needs_chromium = ")[1].split("\n)")[0]
+    for text in (readme, skip):
+        assert "Debian's chromium" in text and re.search(r"apt-get install (-y )?chromium", text), text
+
+
+# ------------------------------------------------------------------ the main job's recorded run
+
+
+def _load_main_job_pages():
+    spec = importlib.util.spec_from_file_location("regenerate", ROOT / "docs" / "results" / "main_job" / "regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_main_jobs_blocks_are_what_the_recorded_run_and_the_summary_code_print():
+    pages = _load_main_job_pages()
+    assert not pages.stale_pages(), "run python docs/results/main_job/regenerate.py"
+    summaries = [re.search(r"```\n(=== summary ===\n.*?)```", GENERATED.search(page.read_text()).group(0), re.S).group(1)
+                 for page in (pages.README, pages.QUICKSTART)]  # fmt: skip
+    assert summaries[0] == summaries[1] == pages.summary_text(pages.kept_run()["summary"])
+    assert "time: " in summaries[0] and "success after RL (held-out) : " in summaries[0]
+
+
+def test_the_main_jobs_blocks_follow_the_summary_code(monkeypatch):
+    from bipace_trainer.cli import run_end
+
+    pages = _load_main_job_pages()
+    original = run_end.print_summary
+    monkeypatch.setattr(run_end, "print_summary", lambda *args, **kwargs: (original(*args, **kwargs), print("one more line")))
+    assert pages.stale_pages() == [pages.README, pages.QUICKSTART]  # a change to the printed summary stales both pages

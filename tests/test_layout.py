@@ -19,29 +19,18 @@ PACKAGE_DIR = ROOT / "bipace_trainer"
 ALLOWED = {
     "advantages": set(),
     "rollout": {"advantages", "trl_compat"},
-    "reports": {"models"},
+    "reports": {"models", "trl_compat"},
     "run": {"rollout", "advantages", "reports", "models"},
-    "cli": {
-        "advantages", "rollout", "run", "reports", "config", "models", "trainer", "micro_batches", "trl_metrics",
-        "memory", "trl_compat", "shared_prefix", "trl_advantages",
-    },
-    "config": {"advantages", "rollout", "trl_advantages"},  # the settings it checks (presets, ROLLOUT_MODES, AGGREGATIONS)
+    # what meets TRL's loss: the trainer's base class, the batch, the shared-prefix forward
+    "update": {"rollout", "advantages", "run", "trl_compat"},
+    "cli": {"advantages", "rollout", "run", "reports", "config", "models", "trainer", "update", "trl_compat"},
+    "config": {"advantages", "rollout", "update"},  # the settings it checks (presets, ROLLOUT_MODES, AGGREGATIONS)
     "models": set(),
-    "micro_batches": set(),
-    "trl_metrics": set(),
-    "memory": {"trl_compat"},
     "trl_compat": set(),  # TRL's and vLLM's internals, for every other part
-    "shared_prefix": {"packed_attention"},
-    "packed_attention": {"trl_compat"},  # the shared-prefix forward's attention, routed for the run
-    "trl_advantages": set(),  # GRPOTrainer's own advantage for one-step (plain prompt) episodes
-    # GRPOTrainer's internals handed out as values: the trainer's base class
-    "trl_adapter": {"rollout", "run", "micro_batches", "trl_metrics", "trl_compat", "trl_advantages"},
-    "trainer": {
-        "advantages", "rollout", "run", "reports", "config", "models", "memory", "shared_prefix", "trl_adapter",
-    },
+    "trainer": {"advantages", "rollout", "run", "reports", "config", "models", "update", "trl_compat"},
     "__init__": {"config", "trainer", "rollout"},
 }
-SUBPACKAGES = ("advantages", "rollout", "run", "reports", "cli")
+SUBPACKAGES = ("advantages", "rollout", "update", "run", "reports", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -145,3 +134,10 @@ def test_the_suites_long_files_name_test_files():
     for name in LONG_FILES:
         path = ROOT / name
         assert path.is_file() and path.name.startswith("test_"), f"LONG_FILES in tests/conftest.py: {name} is not a test file"
+
+
+@pytest.mark.parametrize("name", SUBPACKAGES)
+def test_the_tests_mirror_the_package(name):
+    # a subpackage's tests live in tests/<subpackage>/, so the tree shows where each one is tested
+    folder = ROOT / "tests" / name
+    assert (folder / "__init__.py").is_file() and any(folder.glob("test_*.py")), f"tests/{name}/ holds no tests"

@@ -221,4 +221,4 @@ def test_a_missing_tracker_fails_before_the_model_loads(tmp_path):
     missing_model = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match=r"report_to=\['clearml'\]: \['clearml'\] not installed"):
         train.main(*parse(["--model_name_or_path", missing_model, "--env", "tiny", "--preset", "grpo",
-                           "--report_to", "clearml", "--use_cpu", "true"]))
+                           "--report_to", "clearml", "--use_cpu", "true", "--output_dir", str(tmp_path / "run")]))

@@ -1,4 +1,4 @@
-"""The seam between the trainer and the rest, checked on the source (AST): only `trl_adapter.py` touches
+"""The seam between the trainer and the rest, checked on the source (AST): only `update/adapter.py` touches
 GRPOTrainer's private names (`trainer.py` only overrides TRL's one seam), no other module touches the
 trainer's, and the rollout is handed a policy and values, never the trainer."""
 
@@ -49,7 +49,7 @@ def test_no_module_but_the_trainer_and_its_adapter_touches_a_private_name_of_the
     found = {
         str(path.relative_to(PACKAGE)): hits
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name not in ("trainer.py", "trl_adapter.py") and (hits := private_trainer_accesses(path.read_text()))
+        if str(path.relative_to(PACKAGE)) not in ("trainer.py", "update/adapter.py") and (hits := private_trainer_accesses(path.read_text()))
     }
     assert found == {}, "give these modules a value or a bound method from trainer.py instead: " + repr(found)
 
@@ -96,7 +96,7 @@ def test_the_trl_scan_finds_what_it_looks_for():
 
 def test_trainer_py_touches_no_private_name_of_trl_only_the_adapter_does():
     """trainer.py reads as collect → estimate → TRL's loss; what it takes of TRL's internals comes
-    through `GRPOAdapter`'s public methods, so a TRL release that renames one shows in trl_adapter.py."""
+    through `GRPOAdapter`'s public methods, so a TRL release that renames one shows in update/adapter.py."""
     assert trl_private_uses((PACKAGE / "trainer.py").read_text(), trl_private_names()) == []
     assert len((PACKAGE / "trainer.py").read_text().splitlines()) < 400
 
@@ -110,7 +110,7 @@ def test_only_the_trainer_and_its_adapter_subclass_trls_trainer():
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ClassDef) and {ast.unparse(base).split(".")[-1] for base in node.bases} & bases
     ]
-    assert found == ["trainer.py", "trl_adapter.py"], found
+    assert found == ["trainer.py", "update/adapter.py"], found
 
 
 def test_the_rollout_is_handed_a_policy_and_values_never_the_trainer():
@@ -204,3 +204,75 @@ def test_cluster_layer_has_one_rule():
         assert resolve_cluster_layer(4, -8) == -4
     with pytest.raises(ValueError, match=r"cluster_layer=5 is out of range .* use -5..4"):
         resolve_cluster_layer(4, 5)
+
+
+# ---------------------------------------------------------------------- subclasses use documented hooks
+
+OUTSIDE = ("bench", "studies", "tests")
+HOOKS = ("generate_and_score", "collect", "on_scored", "on_rollout", "evaluate_policy", "compute_loss")
+
+
+def trainer_private_methods() -> set[str]:
+    """The private methods of our trainer: its own and its adapter's, and every private name of TRL's."""
+    names = trl_private_names()
+    for path in (PACKAGE / "trainer.py", PACKAGE / "update" / "adapter.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names |= {f.name for f in node.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_")}
+    return {name for name in names if not name.startswith("__")}
+
+
+def private_overrides(source: str, private: set[str], ours: set[str]) -> list[str]:
+    """Each method a subclass of one of `ours` (our trainer classes) in `source` defines, and each
+    `setattr(<one of ours>, "name", ...)` (monkeypatch's too), whose name is one of `private`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and {ast.unparse(b).split(".")[-1] for b in node.bases} & ours:
+            found += [f"{f.lineno}: def {f.name}" for f in node.body if isinstance(f, ast.FunctionDef) and f.name in private]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "setattr" and len(node.args) > 1:
+            target, name = ast.unparse(node.args[0]).split(".")[-1], node.args[1]
+            if target in ours and isinstance(name, ast.Constant) and name.value in private:
+                found.append(f"{node.lineno}: setattr {name.value}")
+    return found
+
+
+def our_trainer_classes(sources: list[str]) -> set[str]:
+    """BiPACETrainer, its adapter, and every class of `sources` that derives from one of them (by name)."""
+    ours, classes = {"BiPACETrainer", "GRPOAdapter"}, []
+    for source in sources:
+        classes += [(n.name, {ast.unparse(b).split(".")[-1] for b in n.bases})
+                    for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+    while new := {name for name, bases in classes if bases & ours and name not in ours}:
+        ours |= new
+    return ours
+
+
+def test_the_override_scan_finds_what_it_looks_for():
+    sample = "class T(BiPACETrainer):\n    def _scored_rollout(self):\n        pass\n    def collect(self):\n        pass\n" \
+             "monkeypatch.setattr(T, '_eval_batch', f)\nclass Cache:\n    def _save(self):\n        pass\n" \
+             "monkeypatch.setattr(GRPOTrainer, '_eval_batch', spy)\n"
+    ours = our_trainer_classes([sample])
+    assert ours == {"BiPACETrainer", "GRPOAdapter", "T"}
+    assert private_overrides(sample, {"_scored_rollout", "_eval_batch", "_save"}, ours) == [
+        "2: def _scored_rollout", "6: setattr _eval_batch"]
+
+
+def test_benches_studies_and_tests_override_no_private_method_of_the_trainer():
+    """A bench or a test that overrides a private method is telling us a hook is missing: they use the
+    documented ones (`HOOKS`, docs/architecture.md#hooks)."""
+    private, root = trainer_private_methods(), PACKAGE.parent
+    paths = [path for folder in OUTSIDE for path in sorted((root / folder).rglob("*.py"))]
+    ours = our_trainer_classes([path.read_text() for path in paths])
+    found = {
+        str(path.relative_to(root)): hits for path in paths if (hits := private_overrides(path.read_text(), private, ours))
+    }
+    assert found == {}, found
+    from bipace_trainer import BiPACETrainer
+
+    assert all(callable(getattr(BiPACETrainer, hook)) for hook in HOOKS)
+
+
+def test_the_hidden_plan_is_chosen_once_with_no_setter():
+    from bipace_trainer import BiPACETrainer
+
+    assert BiPACETrainer.needs_hidden.fset is None  # chosen from the config (capture_hidden_states, the partition)

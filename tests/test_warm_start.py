@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bipace_trainer.cli import train  # noqa: E402
+from bipace_trainer.cli import preflight, train  # noqa: E402
 from bipace_trainer.rollout.prompting import build_messages  # noqa: E402
 from bipace_trainer.reports.run_summary import (  # noqa: E402
     evaluation_summary, format_evaluation, learning_curve, wilson_interval,
@@ -106,7 +106,7 @@ def test_clear_errors(tmp_path):
         WarmStartArguments(warm_start_expert_prob=1.5)
     with pytest.raises(SystemExit):  # train.py: error: warm_start_steps=-1 must be >= 0 ...
         train.parse_args(["--warm_start_steps", "-1"])
-    with pytest.raises(train.ConfigError, match=r"warm_start_steps=5: env_name='no-expert-test' has no expert"):
+    with pytest.raises(preflight.ConfigError, match=r"warm_start_steps=5: env_name='no-expert-test' has no expert"):
         train.main(*train.parse_args(["--env", "no-expert-test", "--warm_start_steps", "5"]))
 
 

@@ -7,9 +7,13 @@
 
 A run's output dir (or a checkpoint in it) is evaluated as the run evaluated itself: its
 saved evaluation settings (`eval_results.json`'s `settings`, else a checkpoint's config: env,
-env_kwargs, split, turns, history, reply length, temperature, tasks) are the defaults, so
-`bipace-eval OUTPUT_DIR` plays what the run's summary reports (on this tool's seeds); each
-flag still wins. Without saved settings, the env's protocol applies.
+env_kwargs, split, turns, history, reply length, temperature, tasks, the sampling seed, prompts
+per generate call and the generation fields of `evaluation.REPLAYED_FIELDS`) are the defaults.
+So `bipace-eval OUTPUT_DIR` plays the run's final evaluation again: the same tasks, on the run's
+seed, in one chunk, and prints the summary's held-out line next to its own (the same number, on
+the same hardware and number of processes, with transformers' generate; vLLM samples on its own).
+`--seeds 123 456 789` plays more seeds (the first lines say which are played); each flag wins.
+Without saved settings, the env's protocol applies.
 
 Protocol (`PROTOCOLS`, each value overridable by its flag): the papers validate at temperature
 0.4 with seeds 123, 456 and 789 (docs/concepts/math.md#paper-setups); ALFWorld on `valid_seen` and `valid_unseen` (the
@@ -120,7 +124,19 @@ _CONFIG_SETTINGS = {
     "env_name": "env", "env_kwargs": "env_kwargs", "eval_split": "split", "max_turns": "max_turns",
     "history_length": "history_length", "max_completion_length": "max_completion_length",
     "eval_temperature": "temperature", "eval_tasks": "tasks", "eval_rollouts_per_task": "episodes_per_task",
+    "seed": "seed", "rollout_batch_size": "rollout_batch_size",
 }  # fmt: skip
+
+
+def final_evaluation(spec: str) -> dict[str, Any] | None:
+    """The run's final evaluation (`eval_results.json`'s last "final" entry) when `spec` is a run's
+    output dir (its final model: not a checkpoint's), else None."""
+    try:
+        history = json.loads((Path(spec) / "eval_results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    finals = [e for e in history if isinstance(e, dict) and e.get("tag") == "final"] if isinstance(history, list) else []
+    return finals[-1] if finals else None
 
 
 def run_settings(specs: Sequence[str]) -> tuple[dict[str, Any], str]:
@@ -282,6 +298,7 @@ def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
         bf16=False,  # nothing is trained: no mixed precision (GRPOConfig's default refuses a CPU without use_cpu)
         model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
     )  # fmt: skip
+    values.update(settings.generation)  # the run's sampling fields (evaluation.REPLAYED_FIELDS), if it recorded them
     if settings.use_vllm:
         values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
                       vllm_max_model_length=settings.vllm_max_model_length,
@@ -316,10 +333,11 @@ class ModelEvaluation:
         self.collector = RolloutCollector(self.policy, TextEnvSource(config), config, self.accelerator)
         self.config = config
 
-    def play(self, panel: list, split: str, tag: str) -> dict[str, Any]:
+    def play(self, panel: list, split: str, tag: str, seed: int) -> dict[str, Any]:
         from ..run.evaluation import play_evaluation
 
-        return play_evaluation(self.collector, panel, temperature=self.config.eval_temperature, step=0, tag=tag, split=split)
+        return play_evaluation(self.collector, panel, temperature=self.config.eval_temperature, step=0, tag=tag,
+                               split=split, seed=seed)  # fmt: skip
 
     def close(self) -> None:
         import gc
@@ -409,8 +427,6 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
     Returns {split: episodes}, each episode {task_id, repeat, seed, attributes, won, turns, ...}.
     Every rank must call it (the evaluation gathers over ranks); the main process writes.
     """
-    from transformers import set_seed
-
     from envs.base import resolve_env_class, stratified_subset
 
     from ..rollout.loop import TaskRef
@@ -425,13 +441,15 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
     for split in settings.split:
         specs = stratified_subset(env_class.tasks(split, **settings.env_kwargs), settings.tasks, env_class.report_key, "tasks")
         units = panel_units(specs, settings.episodes_per_task)
-        chunks = [units[i : i + settings.chunk_size] for i in range(0, len(units), settings.chunk_size)]
+        size = settings.chunk_size or max(len(units), 1)  # 0: the whole panel in one chunk, as a run plays it
+        chunks = [units[i : i + size] for i in range(0, len(units), size)]
         plan += [(split, seed, index, chunk) for seed in settings.seeds for index, chunk in enumerate(chunks)]
     todo = [item for item in plan if item[:3] not in done]
     resolved = resolve_model(spec, settings.base_model)
     if progress:
         progress(f"{label}: {len(plan) - len(todo)} of {len(plan)} chunks already played" if len(todo) < len(plan)
-                 else f"{label}: {len(plan)} chunks of <= {settings.chunk_size} episodes to play")  # fmt: skip
+                 else f"{label}: {len(plan)} chunks of {f'<= {settings.chunk_size} episodes' if settings.chunk_size else 'a whole panel'} "
+                 "to play")  # fmt: skip
         if resolved.note:
             progress(f"{label}: {resolved.note}")
     evaluation = None
@@ -440,9 +458,8 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
             if evaluation is None:
                 evaluation = ModelEvaluation(resolved, _eval_config(settings, folder, split))
             panel = [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, (spec, _) in enumerate(chunk)]
-            set_seed(chunk_seed(seed, index))
             tag = f"{split}-seed{seed}-chunk{index:04d}"
-            result = evaluation.play(panel, split, tag)
+            result = evaluation.play(panel, split, tag, chunk_seed(seed, index))
             if evaluation.accelerator.is_main_process:
                 records = match_records(_read_dump(dump_path(folder, 0, "eval", tag)), chunk)
                 episodes = [_episode_result(r, unit, reports_score) for r, unit in zip(records, chunk)]
@@ -664,7 +681,8 @@ def make_parser() -> argparse.ArgumentParser:
     # Defaults marked "the run's" come from a run's saved evaluation settings (`run_settings`), else the protocol.
     parser.add_argument("--env", help="a registered env or package.module:Class (default: the run's, else textcraft)")
     parser.add_argument("--split", nargs="+", help="splits to play (default: the run's, else the env's protocol)")
-    parser.add_argument("--seeds", nargs="+", type=int, help="sampling seeds (default 123 456 789)")
+    parser.add_argument("--seeds", nargs="+", type=int,
+                        help="sampling seeds (default: the run's, which replays its final evaluation, else 123 456 789)")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default: the run's, else 0.4)")
     parser.add_argument("--max_turns", type=int, help="turn budget (default: the run's, else the env's protocol)")
     parser.add_argument("--history_length", type=int, help="past turns in each prompt (default: the run's, else 2)")
@@ -674,11 +692,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", type=int,
                         help="tasks per split, stratified over task types (default: the run's eval_tasks, else 0: all)")
     parser.add_argument("--episodes_per_task", type=int, help="episodes per task and seed (default: the run's, else 1)")
-    parser.add_argument("--chunk_size", type=int, default=64, help="episodes played (and saved) together")
+    parser.add_argument("--chunk_size", type=int, help="episodes played (and saved) together; 0: a seed's whole "
+                        "panel at once (default: 0 on a run's settings, as the run played it, else 64)")
     parser.add_argument("--base_model", help="base model of a LoRA adapter (default: the adapter's own record)")
     parser.add_argument("--output_dir", help="where results and episodes go (default: RUN/bipace_eval for a run's "
                         f"output dir or checkpoint, else {DEFAULT_OUTPUT_DIR})")
-    parser.add_argument("--rollout_batch_size", type=int, default=0, help="prompts per generate call (0: all active)")
+    parser.add_argument("--rollout_batch_size", type=int,
+                        help="prompts per generate call (default: the run's, else 0: all active)")
     parser.add_argument("--use_vllm", action="store_true", help="generate with vLLM (TRL's; pip install 'trl[vllm]')")
     parser.add_argument("--vllm_mode", choices=("colocate", "server"),
                         help="colocate (default): an engine in each process; server: a running `trl vllm-serve`")
@@ -695,6 +715,45 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def apply_defaults(settings: argparse.Namespace, protocol: Protocol, saved: dict[str, Any]) -> dict[str, Any]:
+    """Fill each setting no flag gave: the run's (`saved`, from `run_settings`), else the protocol's. A
+    run's seed is its evaluations' one seed, its chunk the whole panel: the run's final evaluation again.
+    Returns the settings taken from the run."""
+    defaults = {
+        "split": list(protocol.splits), "seeds": list(protocol.seeds), "temperature": protocol.temperature,
+        "max_turns": protocol.max_turns, "history_length": protocol.history_length,
+        "max_completion_length": protocol.max_completion_length, "env_kwargs": dict(protocol.env_kwargs),
+        "tasks": 0, "episodes_per_task": 1, "rollout_batch_size": 0, "chunk_size": 64,
+    }  # fmt: skip
+    taken = {name: saved[name] for name in defaults if saved.get(name) is not None}
+    if "split" in taken:
+        taken["split"] = [taken["split"]]
+    if saved.get("seed") is not None:
+        taken |= {"seeds": [saved["seed"]], "chunk_size": 0}
+    defaults.update(taken)
+    for name, value in defaults.items():
+        if getattr(settings, name) is None:
+            setattr(settings, name, value)
+    settings.generation = saved.get("generation") if isinstance(saved.get("generation"), dict) else {}
+    return taken
+
+
+def replayed_evaluation(settings: argparse.Namespace) -> dict[str, Any] | None:
+    """The run's final evaluation when `settings` play it again (the first model is a run's output dir,
+    every setting is the one it recorded, one chunk), else None."""
+    final = final_evaluation(settings.models[0])
+    played = final.get("settings") if final else None
+    if not isinstance(played, dict) or "seed" not in played or settings.chunk_size != 0:
+        return None
+    ours = {"env": settings.env, "env_kwargs": settings.env_kwargs, "split": settings.split, "seeds": settings.seeds,
+            "max_turns": settings.max_turns, "history_length": settings.history_length,
+            "max_completion_length": settings.max_completion_length, "temperature": settings.temperature,
+            "tasks": settings.tasks, "episodes_per_task": settings.episodes_per_task,
+            "rollout_batch_size": settings.rollout_batch_size}  # fmt: skip
+    theirs = {**{name: played.get(name) for name in ours}, "split": [final.get("split")], "seeds": [played["seed"]]}
+    return final if ours == theirs else None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Flags over the env's protocol; bad values exit with one line naming the flag."""
     parser = make_parser()
@@ -707,19 +766,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         protocol = protocol_for(settings.env)
     except ValueError as err:
         parser.error(f"--env {settings.env}: {err}")
-    defaults = {
-        "split": list(protocol.splits), "seeds": list(protocol.seeds), "temperature": protocol.temperature,
-        "max_turns": protocol.max_turns, "history_length": protocol.history_length,
-        "max_completion_length": protocol.max_completion_length, "env_kwargs": dict(protocol.env_kwargs),
-        "tasks": 0, "episodes_per_task": 1,
-    }  # fmt: skip
-    taken = {name: saved[name] for name in defaults if saved.get(name) is not None}
-    if "split" in taken:
-        taken["split"] = [taken["split"]]
-    defaults.update(taken)
-    for name, value in defaults.items():
-        if getattr(settings, name) is None:
-            setattr(settings, name, value)
+    taken = apply_defaults(settings, protocol, saved)
     settings.protocol_source = f"the run's own evaluation settings ({where})" if taken else protocol.source
     if settings.output_dir is None:
         run = run_folder(settings.models)
@@ -741,7 +788,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         (settings.temperature >= 0, "--temperature", "must be >= 0"),
         (settings.max_turns >= 1, "--max_turns", "must be >= 1"),
         (settings.episodes_per_task >= 1, "--episodes_per_task", "must be >= 1"),
-        (settings.chunk_size >= 1, "--chunk_size", "must be >= 1"),
+        (settings.chunk_size >= 0, "--chunk_size", "must be >= 0 (0: a seed's whole panel at once)"),
         (settings.tasks >= 0, "--tasks", "must be >= 0 (0: all)"),
         (len(set(settings.seeds)) == len(settings.seeds), "--seeds", "must not repeat a seed"),
         (isinstance(settings.env_kwargs, dict), "--env_kwargs", "must be a JSON object"),
@@ -754,6 +801,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for ok, name, fix in checks:
         if not ok:
             parser.error(f"{name}: {fix}")
+    settings.replays = replayed_evaluation(settings)
     return settings
 
 
@@ -768,11 +816,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"settings from {settings.protocol_source[4:]}: env {settings.env}, split {' '.join(settings.split)}, "
               f"{settings.max_turns} turns, history {settings.history_length}, temperature {settings.temperature}, "
               f"{settings.tasks or 'all'} tasks x {settings.episodes_per_task} per seed (flags override)", flush=True)
+        print(seeds_line(settings), flush=True)
     result = run(settings, progress=lambda line: print(line, flush=True))
     if result is not None:
         print(result["markdown"])
         print(f"results: {Path(settings.output_dir) / RESULT_FILE} and {MARKDOWN_FILE}")
+        if settings.replays is not None:
+            print(replay_lines(settings.replays, result["models"][0]["splits"][settings.split[0]]["overall"]))
     return 0
+
+
+def seeds_line(settings: argparse.Namespace) -> str:
+    """Which seeds a run's output dir is played on, and whether that replays its final evaluation."""
+    seeds = " ".join(map(str, settings.seeds))
+    if settings.replays is not None:
+        return (f"seed {seeds}, the one the run's final evaluation sampled with: it is played again (the summary's "
+                "held-out figure); --seeds 123 456 789 plays more seeds")
+    final = final_evaluation(settings.models[0])
+    recorded = (final or {}).get("settings", {}).get("seed")
+    if recorded is None:
+        return f"seeds {seeds}: this run recorded no evaluation seed, so its final evaluation is not replayed"
+    return f"seeds {seeds}, asked for (the run's final evaluation sampled seed {recorded}; other settings do not replay it)"
+
+
+def replay_lines(final: dict[str, Any], overall: dict[str, Any]) -> str:
+    """The run's summary line of its final evaluation, and the same line of this replay, one above the other."""
+    from ..reports.run_summary import evaluation_summary, format_evaluation
+
+    replayed = {"num_tasks": overall["episodes"], "success_rate": overall["success_rate"]}
+    return "\n".join([format_evaluation("the run's summary (held-out)", evaluation_summary(final) | {"valid_action_rate": None}),
+                      format_evaluation("played again here         ", evaluation_summary(replayed))])
 
 
 if __name__ == "__main__":

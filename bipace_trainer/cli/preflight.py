@@ -25,6 +25,8 @@ from urllib.parse import urlparse
 
 import yaml
 
+from bipace_trainer import trl_compat
+
 CPU_CONFIG = "accelerate_config_cpu.yaml"
 ZERO2_CONFIG = "accelerate_config.yaml"
 
@@ -196,6 +198,19 @@ def _last_flag(argv: list[str], name: str) -> str | None:
 def check_run(training_args, model_args) -> None:
     """After parsing, before the output folder and the weights: values, dependencies, sharding, push_to_hub."""
     check_training_values(training_args)
+    try:  # every private name of TRL, transformers (vLLM) the package borrows is installed, before the weights
+        trl_compat.verify_ledger(training_args.use_vllm and importlib.util.find_spec("vllm") is not None)
+    except trl_compat.LedgerError as error:
+        raise ConfigError(str(error)) from None
+    from bipace_trainer.rollout.collector import check_env_tasks  # datasets, accelerate: past --help
+    from envs.base import EnvUnavailableError
+
+    try:  # the env's splits list tasks: env I/O, done here (and by the trainer), not when the config is built
+        training_args.require_env()
+        check_env_tasks(training_args.env_name, training_args.env_kwargs,
+                        {"train_split": training_args.train_split, "eval_split": training_args.eval_split})
+    except (ValueError, EnvUnavailableError) as error:
+        raise ConfigError(str(error)) from None
     if training_args.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             'use_vllm=True but vLLM is not installed: pip install -e ".[vllm]" (a GPU; on a CPU see '

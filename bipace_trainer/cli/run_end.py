@@ -226,6 +226,24 @@ def complete_finished(run: RunDescription, step: int, warm_start: dict | None, p
     return summary
 
 
+def signal_line(curve: list[dict[str, float]]) -> str:
+    """'RL steps with non-zero advantages: 3 of 3 (...); training-batch success 0.50 at step 1 -> 1.00 at
+    step 3'. A step whose episodes all won has no outcome signal, so when it still trained the line says
+    why: the discounted returns (γ < 1) pay a shorter win more than a longer one."""
+    signal_steps = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
+    resamples = sum(row.get("resamples", 0.0) for row in curve)
+    all_won = [row["step"] for row in curve if row.get("skipped", 0.0) == 0.0 and row.get("batch_success") == 1.0]
+    notes = [f"{resamples:.0f} batch{'es' * (resamples != 1)} without signal played again on another goal"] * bool(resamples)
+    if all_won:
+        steps = " and ".join(map(str, all_won))
+        notes.append(f"step{'s' * (len(all_won) > 1)} {steps} won every episode: the advantages come from the "
+                     "discount, which pays a shorter win more")  # fmt: skip
+    first, last = curve[0], curve[-1]
+    return (f"RL steps with non-zero advantages: {signal_steps} of {len(curve)}" + (f" ({'; '.join(notes)})" if notes else "")
+            + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
+            f"{last['batch_success']:.2f} at step {last['step']}")  # fmt: skip
+
+
 def print_summary(summary: dict, warm_start: dict | None, cut: bool = False) -> None:
     """The run's summary, as the README shows it (main process); `cut`: a SIGTERM skipped the plot and report."""
     print("\n=== summary ===")
@@ -241,14 +259,7 @@ def print_summary(summary: dict, warm_start: dict | None, cut: bool = False) -> 
     print(format_evaluation("success after RL (held-out) ", summary["after"]))
     curve = summary["curve"]
     if curve:
-        signal_steps = sum(row.get("skipped", 0.0) == 0.0 for row in curve)
-        resamples = sum(row.get("resamples", 0.0) for row in curve)
-        first, last = curve[0], curve[-1]
-        print(f"RL steps with non-zero advantages: {signal_steps} of {len(curve)}"
-              + (f" ({resamples:.0f} batch{'es' * (resamples != 1)} without signal played again on another goal)"
-                 if resamples else "")
-              + f"; training-batch success {first['batch_success']:.2f} at step {first['step']} -> "
-              f"{last['batch_success']:.2f} at step {last['step']}")
+        print(signal_line(curve))
     why = "stopped by SIGTERM" if cut else None
     print(f"learning curve: {summary['plot']}" if summary["plot"] else f"learning curve: {why or 'no RL step logged'}")
     print(f"report (curves, evaluations, every dumped step with its credit): {summary['report']}"

@@ -55,11 +55,11 @@ from bipace_trainer.run import run_dir  # noqa: E402
 from bipace_trainer.run.checkpointing import CheckpointWriteError  # noqa: E402
 from bipace_trainer.config import FIELD_GROUPS  # noqa: E402
 from bipace_trainer.cli import preflight, threads  # noqa: E402
-from bipace_trainer.cli.preflight import ConfigError  # noqa: E402  (train.ConfigError, as before)
+from bipace_trainer.cli.preflight import ConfigError  # noqa: E402
 from bipace_trainer.models import load_tokenizer, resolve_model_name  # noqa: E402
 from envs.base import EnvUnavailableError  # noqa: E402
 from bipace_trainer.cli import run_end  # noqa: E402
-from bipace_trainer.cli.run_end import EXIT_STOPPED  # noqa: E402  (train.EXIT_STOPPED, as before)
+from bipace_trainer.cli.run_end import EXIT_STOPPED  # noqa: E402
 from bipace_trainer.run.warm_start import (  # noqa: E402
     WARM_START_DIR, WarmStartArguments, apply_warm_start, check_warm_start,
 )

@@ -16,6 +16,7 @@ from typing import Any
 
 import trl
 
+from .. import trl_compat
 from ..models import cache_dir
 
 __all__ = [
@@ -158,7 +159,7 @@ def _citations(preset: str) -> list[str]:
     for key in PRESET_PAPERS.get(preset, ["grpo"]):
         title, url = PAPERS[key]
         lines.append(f"- [{title}]({url})" if url else f"- {title}")
-    grpo = trl.GRPOTrainer._paper["citation"]
+    grpo = trl_compat.grpo_citation()
     return lines + ["", "```bibtex", grpo, "", TRL_CITATION, "```"]
 
 
@@ -174,6 +175,8 @@ def model_card(
     eval_history: list[dict[str, Any]],
     recipe: str | None = None,
     trackers: list[str] | None = None,
+    estimator=None,
+    cluster_layer: int | None = None,
 ) -> str:
     """The card's markdown, from the run's values (the trainer passes its own: `create_model_card`).
 
@@ -182,9 +185,10 @@ def model_card(
     attribute evaluations are broken down by; `eps`: the estimator's clustering ε in use
     (`StepAdvantageEstimator.eps_in_use`: calibrated, fixed or its fallback; None without
     clustering); `eval_history`: the run's evaluations; `recipe`: the recipe file, if any;
-    `trackers`: lines for the tracking section (default: `tracker_links`).
+    `trackers`: lines for the tracking section (default: `tracker_links`); `estimator`, `cluster_layer`:
+    the run plan's (`run.plan.RunPlan`; default: the config's).
     """
-    base, hub_id = _base_model(getattr(model.config, "_name_or_path", "") or "")
+    base, hub_id = _base_model(getattr(model.config, "name_or_path", "") or "")
     peft = getattr(model, "peft_config", None)
     adapter = next(iter(peft.values())) if peft else None
     url = project_url()
@@ -212,7 +216,7 @@ def model_card(
         f"max turns {args.max_turns}, history {args.history_length}",
         "- tracking: " + ("; ".join(trackers) if trackers else "none"),
         "",
-        *_estimator_lines(args, eps),
+        *_estimator_lines(args, eps, estimator or args.estimator, args.cluster_layer if cluster_layer is None else cluster_layer),
         "",
         "## Evaluation",
         *_evaluation(args, eval_history, report_key),
@@ -228,13 +232,12 @@ def model_card(
     return "\n".join(lines)
 
 
-def _estimator_lines(args, eps: float | None) -> list[str]:
-    est = args.estimator
+def _estimator_lines(args, eps: float | None, est, cluster_layer: int) -> list[str]:
     return [
         "## Estimator",
         f"- preset: `{args.preset}`; partition `{est.step_partition}`, baseline `{est.step_baseline}`, "
         f"w_ep {est.w_ep}, w_step {est.w_step}, γ {est.step_gamma}, norm `{est.advantage_norm}`",
-        f"- cluster layer {args.cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
+        f"- cluster layer {cluster_layer}, ε {eps}" if eps is not None else "- no clustering ε (the partition takes none)",
     ]
 
 
@@ -248,13 +251,14 @@ def _use_lines(model_name: str, peft: bool) -> list[str]:
     ]
 
 
-def write_model_card(directory, args, model, model_name: str | None, *, steps: int, source, eps, eval_history, recipe=None) -> None:
+def write_model_card(directory, args, model, model_name: str | None, *, steps: int, source, eps, eval_history, recipe=None,
+                     estimator=None, cluster_layer: int | None = None) -> None:
     """`model_card` written as `<directory>/README.md`; `source` is the run's env source (its name and
     `report_key`), `model_name` defaults to the folder's name."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     card = model_card(
         args, model, model_name or directory.name, steps=steps, env=source.name, report_key=source.report_key,
-        eps=eps, eval_history=eval_history, recipe=recipe,
+        eps=eps, eval_history=eval_history, recipe=recipe, estimator=estimator, cluster_layer=cluster_layer,
     )
     (directory / "README.md").write_text(card)

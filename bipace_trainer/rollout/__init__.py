@@ -1,7 +1,7 @@
 """Playing episodes, and what each played step becomes: everything between an env and TRL's batch.
 
-    policy          the narrow interface the rollout generates through (TRLPolicy: the trainer's TRL
-                    generation; ModelPolicy / VLLMPolicy: a plain model, for bipace-eval)
+    policy          the narrow interface the rollout generates through (ModelPolicy / VLLMPolicy: a plain
+                    model, for bipace-eval; the trainer's TRL generation is `update.policy.TRLPolicy`)
     loop            run_rollouts: lockstep or continuous multi-turn rollouts → Rollout (docs/concepts/math.md#step-records)
     types           what a rollout is made of: Generation, TaskRef, RolloutSettings, StepRecord, Episode, Rollout, Action
     adapters        kinds of environment as the loops play them: EnvAdapter, TextEnvAdapter
@@ -15,14 +15,11 @@
     prefix_cache    HF generate that prefills only the prompt tokens whose KV is not known yet
     hidden          the actor's hidden state at one layer (BiGPO's φ(s)); HiddenPlan: where a run's come from
     prompting       the step's prompt (GiGPO's format); actions: reply → env action, validity, key
-    batching        a rollout's steps made into TRL's training batch (one row per env step)
-    scoring         a played rollout scored: TRL's batch with the estimator's advantages, and its metrics
-    overlap         the next generation played on a background thread while the update runs (max_staleness=1)
     trajectories    what the agent did, readable: step rows, the completions table, rollout dumps
 
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
 transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives).
 Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the rollout, never
-the other way round. The rollout is handed a `Policy` and values (`TRLBatchSpec`, `ToolEnvSetup`),
+the other way round. The rollout is handed a `Policy` and values (`ToolEnvSetup`),
 never the trainer (tests/test_seam.py).
 """

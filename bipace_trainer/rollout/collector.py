@@ -32,27 +32,26 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
 
-from envs.base import resolve_env_class, stratified_subset
+from envs.base import EnvUnavailableError, resolve_env_class, stratified_subset
 from envs.vector import VectorEnv
 
 from . import trajectories
 from .hidden import HiddenPlan
 from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
 from .policy import Policy
-from .sync import SUMMED_OVER_RANKS, CrossRankSync  # noqa: F401  (importable from here, as before)
+from .sync import CrossRankSync
 from .tool_envs import PromptAdapter, ToolEnvAdapter, ToolEnvSetup, ToolSession
 from .vllm_backend import equal_prompt_counts
 from .vllm_stream import StreamTurns
 
 __all__ = [
     "RolloutCollector",
-    "CrossRankSync",
     "TextEnvSource",
     "ToolEnvSource",
     "task_dataset",
+    "check_env_tasks",
     "env_reward",
     "MAX_ALL_FAILED_GENERATIONS",
-    "SUMMED_OVER_RANKS",
 ]
 
 # A run stops once every episode of this many generations in a row failed (env broken, not flaky).
@@ -70,6 +69,28 @@ def env_reward(completions, **kwargs):
     """Declared reward source for TRL's bookkeeping. Rewards come from the environment:
     `BiPACETrainer` computes advantages from env rewards and never calls this."""
     raise RuntimeError("env_reward is a placeholder: BiPACETrainer takes rewards from the environment.")
+
+
+def check_env_tasks(env_name: str, env_kwargs: dict[str, Any], splits: dict[str, str]) -> None:
+    """Each of `splits` ({field: split}) of `env_name` lists tasks with `env_kwargs`: env I/O (ALFWorld
+    generates its games), so the trainer and bipace-train's pre-flight run it before any model loads,
+    and a config's build never does. Raises one line naming the field and the fix."""
+    env_class = resolve_env_class(env_name)
+    for name, split in splits.items():
+        try:
+            specs = env_class.tasks(split, **env_kwargs)
+        except EnvUnavailableError as err:
+            raise EnvUnavailableError(f"env_name={env_name!r}: {err}") from None
+        except Exception as err:
+            raise ValueError(
+                f"env_kwargs={env_kwargs!r}: {env_class.__name__}.tasks({split!r}) raised {type(err).__name__}: {err}; "
+                "fix the values."
+            ) from None
+        if not specs:
+            raise ValueError(
+                f"{name}={split!r} of {env_name!r} has no tasks with env_kwargs={env_kwargs!r}; "
+                "pick another split or other env_kwargs."
+            )
 
 
 def task_dataset(env: str, split: str, env_kwargs: dict[str, Any] | None = None, limit: int = 0) -> Dataset:

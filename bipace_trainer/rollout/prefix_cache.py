@@ -47,6 +47,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .. import trl_compat
+
 __all__ = ["PrefixReuse", "PrefixStore", "supports_prefix_reuse", "MIN_SHARED_TOKENS", "DEFAULT_STORE_BYTES"]
 
 # A within-call shared prefix shorter than this is not worth its own forward pass (every prompt
@@ -75,7 +77,7 @@ def supports_prefix_reuse(model) -> str:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return "it is not a decoder-only model"
-    if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
+    if not trl_compat.uses_default_dynamic_cache(model):
         return f"{type(model).__name__} does not use a DynamicCache"
     try:
         cache = DynamicCache(config=config.get_text_config(decoder=True))

@@ -20,7 +20,7 @@ step go to their envs while the others keep decoding (`loop._continuous_stream`)
   step, the rollout's name, the episode's trajectory id and turn) makes each reply depend on
   its own request only. The engine's `logprobs_mode` ("processed_logprobs") is TRL's, set
   when TRL built the engine.
-- `StreamTurns`: the loop's `StreamingGenerator` over the trainer's `policy.TRLPolicy`: prompts
+- `StreamTurns`: the loop's `StreamingGenerator` over the trainer's `update.policy.TRLPolicy`: prompts
   tokenized per episode through it (TRL's `_tokenize_prompts`, tool schemas of each episode's
   environment included), TRL's weight push before the first request of a new step
   (`TRLPolicy.push_weights`, as `_generate_single_turn` does), the sampled token's logprob
@@ -57,6 +57,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+from .. import trl_compat
 from .loop import Generation
 
 __all__ = [
@@ -163,7 +164,7 @@ class EngineStream:
     def submit(self, key: Hashable, prompt_ids: list[int], params) -> None:
         request_id = f"{self.prefix}{next(self.ids)}"
         prompt = {"prompt_token_ids": list(prompt_ids)}
-        render = getattr(self.llm, "_preprocess_cmpl_one", None)  # what LLM.generate hands the engine
+        render = trl_compat.vllm_request_renderer(self.llm)  # what LLM.generate hands the engine
         self.engine.add_request(request_id, render(prompt) if render is not None else prompt, params)
         self.keys[request_id] = key
 
@@ -223,7 +224,7 @@ class ServerStream:
             "return_tokens_as_token_ids": True,
             **params,
         }
-        future = self.pool.submit(self.client._post, self.url, json=payload)
+        future = self.pool.submit(trl_compat.vllm_client_post(self.client), self.url, json=payload)
         self.pending[future] = (next(self.order), key, list(prompt_ids))
 
     def step(self) -> list[Finished]:
@@ -273,7 +274,7 @@ class StreamTurns:
     colocate's engine (`EngineStream`) or the server (`ServerStream`).
 
     Args:
-        policy: the trainer's `policy.TRLPolicy` (its `vllm_generation`, tokenizer, decoding,
+        policy: the trainer's `update.policy.TRLPolicy` (its `vllm_generation`, tokenizer, decoding,
             weight version and push, prefix-cache counter, the run's seed).
         name: the rollout's name ("train", "eval"), part of every request's seed.
         hidden: the run's `HiddenPlan` when its states come from one extra pass ("forward"), or None.

@@ -15,7 +15,7 @@ from transformers import ProgressCallback, TrainerCallback
 if TYPE_CHECKING:
     from transformers import TrainerState
 
-    from ..rollout.collector import CrossRankSync
+    from ..rollout.sync import CrossRankSync
 
 __all__ = ["TrainingInterrupted", "Stoppable", "GracefulStopCallback", "NumericProgressCallback"]
 

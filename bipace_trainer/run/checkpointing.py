@@ -11,7 +11,7 @@ state) plus the run's own state:
   trains on the same samples (and skips their update or not, as before) instead of
   generating new ones.
 - `overlap_rollout_rank{r}.pt`, only with `max_staleness=1` when the next generation was
-  played during the update before the save (`rollout.overlap`; the save joins it first): its
+  played during the update before the save (`update.overlap`; the save joins it first): its
   dataset rows, its rollout with the behaviour log-probs and the step whose weights played it,
   so the resumed run trains on the same episodes, corrected by the same ratio.
 

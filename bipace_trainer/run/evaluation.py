@@ -6,7 +6,9 @@
 Every rank plays its share of the split's tasks (`RolloutCollector.eval_task_refs`:
 `eval_tasks` of them, stratified over task types, each `eval_rollouts_per_task` times) at
 `eval_temperature`, through a rollout collector and its policy (`play_evaluation`: the trainer's,
-or a plain model's for `bipace-eval`). The result (success rate overall and per
+or a plain model's for `bipace-eval`), sampling from the run's `seed`: every evaluation of a run draws
+the same stream (its before and final evaluations are paired on it), and `bipace-eval OUTPUT_DIR`, which
+reads the seed and the settings back from `eval_results.json`, plays the final one again. The result (success rate overall and per
 `report_key` value, episode length, valid-action rate, the env's score if it reports one)
 is logged by the trainer, appended to `trainer.eval_history` and, by the main process, written to
 `<output_dir>/eval_results.json` (`write_history`). `EvaluationCallback` runs it before training and every
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 import numpy as np
 import torch
 from accelerate.utils import gather_object
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 
 from ..rollout.loop import Episode
 
@@ -54,16 +56,24 @@ __all__ = [
 ]
 
 EVAL_FILE = "eval_results.json"
+# `BiPACEConfig` fields that change what an evaluation samples or counts as valid, and have no `bipace-eval`
+# flag: recorded with each evaluation, and played with again by `bipace-eval OUTPUT_DIR`.
+REPLAYED_FIELDS = (
+    "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation", "generation_kwargs", "max_turn_length",
+    "require_think", "action_key_tokens",
+)  # fmt: skip
 
 
 def evaluation_settings(args) -> dict[str, Any]:
     """The settings an evaluation was played with, in `bipace-eval`'s flag names (`cli.evaluate`
     reads them back as its defaults for the run's output dir). A dict inside the result: not logged."""
     env_kwargs = json.loads(json.dumps(args.env_kwargs, default=str))  # eval_results.json takes JSON values only
+    generation = json.loads(json.dumps({name: getattr(args, name) for name in REPLAYED_FIELDS}, default=str))
     return {
         "env": args.env_name, "env_kwargs": env_kwargs, "max_turns": args.max_turns,
         "history_length": args.history_length, "max_completion_length": args.max_completion_length,
         "temperature": args.eval_temperature, "tasks": args.eval_tasks, "episodes_per_task": args.eval_rollouts_per_task,
+        "seed": args.seed, "rollout_batch_size": args.rollout_batch_size, "generation": generation,
     }  # fmt: skip
 
 
@@ -127,14 +137,18 @@ def untouched_random_streams() -> Iterator[None]:
 @torch.no_grad()
 def play_evaluation(
     collector: RolloutCollector, tasks: list[TaskRef], *, temperature: float, step: int, tag: str, split: str,
-    model: nn.Module | None = None,
+    seed: int | None = None, model: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Play `tasks` (every rank its share) with `collector`'s policy at `temperature`; the summary over
     ranks (`summarise_evaluation`) with the result's `step`, `tag`, `split` and `seconds`, or {} when
     there are no tasks. `model` (the trainer's) is put in eval mode while it plays, then back.
-    Every rank must call it. No trainer: `bipace-eval` calls it with a plain model's policy. The random
-    streams are left as they were (`untouched_random_streams`)."""
+    Every rank must call it. No trainer: `bipace-eval` calls it with a plain model's policy.
+    `seed` (Python's, NumPy's and torch's, as `transformers.set_seed`) is what the sampling draws from,
+    the same on every rank; None: the streams as they are. Either way they are left as they were
+    (`untouched_random_streams`)."""
     with untouched_random_streams():
+        if seed is not None:
+            set_seed(seed)
         return _play_evaluation(collector, tasks, temperature=temperature, step=step, tag=tag, split=split, model=model)
 
 

@@ -390,7 +390,7 @@ def load_warm_start(model, path: str | Path):
 
 def _base_name(model) -> str:
     """The name or path `model` was loaded from ("" when it has none, e.g. built from a config)."""
-    return getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return getattr(getattr(model, "config", None), "name_or_path", "") or ""
 
 
 def _check_base_model(path: Path, config: dict[str, Any], model) -> None:

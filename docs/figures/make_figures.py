@@ -18,8 +18,19 @@ HERE = Path(__file__).resolve().parent
 
 
 def box(ax, x, y, w, h, text, colour):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.05", fc=colour, ec="#333"))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8.5)
+    """A box with `text` centred in it; returns (box, text) for `check_fit`."""
+    patch = FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.05", fc=colour, ec="#333")
+    ax.add_patch(patch)
+    return patch, ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=8.5)
+
+
+def check_fit(fig, boxes) -> None:
+    """Refuse a figure whose text runs out of its box (a long class name did once)."""
+    renderer = fig.canvas.get_renderer()
+    for patch, label in boxes:
+        outer, inner = patch.get_window_extent(renderer), label.get_window_extent(renderer)
+        if inner.x0 < outer.x0 or inner.x1 > outer.x1 or inner.y0 < outer.y0 or inner.y1 > outer.y1:
+            raise SystemExit(f"data_flow.png: {label.get_text()!r} overflows its box; break or shorten its lines")
 
 
 def arrow(ax, a, b, text=""):
@@ -29,25 +40,29 @@ def arrow(ax, a, b, text=""):
 
 
 def data_flow():
-    """One training step, left to right; nothing flows backwards (docs/concepts/samples.md)."""
+    """One training step, left to right, each stage under the package that runs it; nothing flows
+    backwards (docs/architecture.md)."""
     fig, ax = plt.subplots(figsize=(10, 2.6))
     ax.set_xlim(0, 10.2)
     ax.set_ylim(0, 2.6)
     ax.axis("off")
     stages = [
-        (0.1, "dataset rows\n(tasks × G =\nnum_generations)", "#e8eef7"),
-        (2.1, "lockstep rollout\nprompt → generate →\nparse → env.step\n(hidden state hook)", "#e6f4ea"),
-        (4.1, "step records\none sample per\nenv step", "#fff4e0"),
-        (6.1, "StepAdvantageEstimator\npartition × baseline\n→ A per step", "#fde8e8"),
-        (8.1, "TRL's loss,\nclipping, KL,\noptimizer", "#ede7f6"),
+        (0.1, "dataset rows\n(tasks × G =\nnum_generations)", "#e8eef7", "the trainer"),
+        (2.1, "rollout (lockstep\nor continuous):\nprompt → Policy →\nparse → env.step", "#e6f4ea", "rollout/"),
+        (4.1, "step records\none sample per\nenv step", "#fff4e0", "rollout/ → update/"),
+        (6.1, "StepAdvantage-\nEstimator: partition\n× baseline × return\n→ A per step", "#fde8e8", "advantages/"),
+        (8.1, "TRL's loss,\nclipping, KL,\noptimizer", "#ede7f6", "update/ (TRL's)"),
     ]
-    for x, text, colour in stages:
-        box(ax, x, 0.7, 1.7, 1.3, text, colour)
-    for (x, _, _), label in zip(stages[:-1], ["rows", "turns", "records", "advantages"]):
+    boxes = [box(ax, x, 0.7, 1.7, 1.3, text, colour) for x, text, colour, _ in stages]
+    for x, _, _, package in stages:
+        ax.text(x + 0.85, 0.5, package, ha="center", fontsize=7.5, family="monospace", color="#333")
+    for (x, _, _, _), label in zip(stages[:-1], ["rows", "turns", "records", "advantages"]):
         arrow(ax, (x + 1.72, 1.35), (x + 2.0, 1.35))
-    ax.text(5.1, 0.25, "envs know nothing of the trainer; the estimator nothing of models or envs", ha="center",
-            fontsize=8, style="italic", color="#555")
+    ax.text(5.1, 0.12, "envs know nothing of the trainer; the estimator nothing of models or envs; only update/ and "
+            "the ledger (trl_compat) touch TRL's private names", ha="center", fontsize=7.5, style="italic", color="#555")
     ax.text(3.0, 2.25, "many envs per batch, one turn at a time (envs.VectorEnv)", ha="center", fontsize=8, color="#555")
+    fig.canvas.draw()
+    check_fit(fig, boxes)
     fig.savefig(HERE / "data_flow.png", dpi=130, bbox_inches="tight")
     plt.close(fig)
 

@@ -206,6 +206,7 @@ def rl_config(plan: EnvPlan, size: Size, work_dir: Path, output_dir: Path, prese
         history_length=size.history_length,
         max_completion_length=size.max_completion_length,
         cluster_layer=size.cluster_layer,
+        capture_hidden_states=True,  # both partitions are measured on every preset (runner.StudyTrainer)
         eval_split=plan.eval_splits[0],
         eval_tasks=plan.eval_tasks,
         eval_rollouts_per_task=plan.eval_rollouts_per_task,

@@ -42,7 +42,8 @@ class StudyTrainer(BiPACETrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.needs_hidden = True
+        if not self.needs_hidden:  # the hidden probe reads every batch's states, whatever the preset
+            raise ValueError("StudyTrainer needs capture_hidden_states=True in its config (plan.rl_config sets it).")
         eps = dict(
             cluster_eps=self.args.cluster_eps,
             target_singleton_rate=self.args.target_singleton_rate,

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source scripted --env textcraft
     OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source scripted --env alfworld
     OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source model --env textcraft
-    OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source model --env alfworld --max-turns 20
+    OMP_NUM_THREADS=1 python -m studies.oracle.graph_ends --source model --env alfworld --max-turns 15
     python -m studies.oracle.graph_ends --report studies/oracle/results/graph_ends/*.json
 
 GraphGPO's graph joins the steps of a task group into one state graph; a failed trajectory's
@@ -19,7 +19,8 @@ rule to the other, on real play:
   rollouts per task, the oracle study's turn budgets (TextCraft 30, ALFWorld 50);
 - `--source model`: the embedded SmolLM2-135M-Instruct, played by the trainer's own rollout
   collector (`BiPACETrainer.collector`, no update) with `python train.py`'s settings and warm start:
-  TextCraft's shipped adapter, ALFWorld's trained here by `--warm_start_steps` (the CLI's code).
+  TextCraft's shipped adapter, ALFWorld's trained here by `--warm_start_steps` (the CLI's code)
+  or one an earlier run trained (`--warm-start-from`).
 
 Env-failed episodes leave the batch as they do in training (`penalize_env_failures=False`).
 Writes one JSON per (source, env) under `--out` with every batch's counts and the machine.
@@ -33,7 +34,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -97,10 +98,11 @@ def scripted_batches(env: str) -> list[dict[str, Any]]:
 
 
 def model_batches(
-    env: str, num_batches: int, tasks: int, flags: list[str], work_dir: Path
+    env: str, num_batches: int, tasks: int, flags: list[str], work_dir: Path, save: Callable[..., None]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The embedded model with `python train.py`'s settings and warm start, `num_batches` training
-    generations of `tasks` task groups × 8 rollouts, played by the trainer's collector (no update)."""
+    generations of `tasks` task groups × 8 rollouts, played by the trainer's collector (no update).
+    `save(batches, extra)` runs after every batch: a run cut short keeps the batches it played."""
     from bipace_trainer.cli.train import build_trainer, parse_args
 
     argv = ["--env", env, "--preset", "graphgpo", "--output_dir", str(work_dir / env), "--num_generations", "8",
@@ -108,7 +110,10 @@ def model_batches(
     script_args, training_args, model_args = parse_args(argv)
     trainer, warm_start = build_trainer(script_args, training_args, model_args)
     rows = list(trainer.train_dataset)
-    batches = []
+    settings = {key: getattr(training_args, key) for key in ("max_turns", "history_length", "max_completion_length",
+                                                              "temperature", "env_kwargs")}  # fmt: skip
+    extra = {"argv": argv, "settings": settings, "warm_start": warm_start}
+    batches: list[dict[str, Any]] = []
     try:
         for index in range(num_batches):
             drawn = random.Random(f"graph_ends/{env}/{index}").sample(rows, tasks)
@@ -119,11 +124,10 @@ def model_batches(
             batches.append({"batch": index, "task_ids": [ref.task_id for ref in refs[::8]], **end_counts(played),
                             "seconds": time.perf_counter() - start})  # fmt: skip
             print(json.dumps(batches[-1]), flush=True)
+            save(batches, extra)
     finally:
         trainer.close_envs()
-    settings = {key: getattr(training_args, key) for key in ("max_turns", "history_length", "max_completion_length",
-                                                              "temperature", "env_kwargs")}  # fmt: skip
-    return batches, {"argv": argv, "settings": settings, "warm_start": warm_start}
+    return batches, extra
 
 
 def totals(batches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,6 +168,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2, help="model: task groups per generation (8 rollouts each)")
     parser.add_argument("--max-turns", type=int, default=None, help="model: the turn budget (default: train.py's)")
     parser.add_argument("--warm-start-steps", type=int, default=32, help="model, alfworld: SFT steps of its warm start")
+    parser.add_argument("--warm-start-from", default=None, help="model, alfworld: a warm start an earlier run trained (its folder)")
     parser.add_argument("--name", default="", help="a suffix for the JSON's name (another setting of one source and env)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--work-dir", type=Path, default=Path("outputs/graph_ends"))
@@ -173,25 +178,28 @@ def main() -> None:
         print(report(args.report))
         return
     start = time.perf_counter()
-    extra: dict[str, Any] = {}
+    path = args.out / f"graph_ends_{args.source}_{args.env}{'_' + args.name if args.name else ''}.json"
+
+    def save(batches: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+        result = {
+            "source": args.source, "env": args.env, "name": args.name, "preset": "graphgpo", "changed_above": CHANGED,
+            **extra, "totals": totals(batches), "batches": batches, "seconds": time.perf_counter() - start,
+            "machine": common.machine(),
+        }  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str))
+
     if args.source == "scripted":
-        batches = scripted_batches(args.env)
-        extra = {"settings": {**SCRIPTED[args.env], "group_size": 8}}
+        save(scripted_batches(args.env), {"settings": {**SCRIPTED[args.env], "group_size": 8}})
     else:
         flags = ["--max_turns", str(args.max_turns)] if args.max_turns else []
-        if args.env != "textcraft":  # the shipped adapter is TextCraft's: train this env's own (the CLI's code)
+        if args.env != "textcraft" and args.warm_start_from:  # one an earlier run of this command trained
+            flags += ["--warm_start_from", args.warm_start_from]
+        elif args.env != "textcraft":  # the shipped adapter is TextCraft's: train this env's own (the CLI's code)
             flags += ["--warm_start_from", "", "--warm_start_steps", str(args.warm_start_steps)]
-        batches, extra = model_batches(args.env, args.batches, args.tasks, flags, args.work_dir)
-    result = {
-        "source": args.source, "env": args.env, "name": args.name, "preset": "graphgpo", "changed_above": CHANGED, **extra,
-        "totals": totals(batches), "batches": batches, "seconds": time.perf_counter() - start, "machine": common.machine(),
-    }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"graph_ends_{args.source}_{args.env}{'_' + args.name if args.name else ''}.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
+        save(*model_batches(args.env, args.batches, args.tasks, flags, args.work_dir, save))
     print(report([path]))
     print(f"wrote {path}")
-
 
 if __name__ == "__main__":
     main()

@@ -43,8 +43,6 @@ class NotAnEnv:
         (dict(step_gamma=float("nan")), "step_gamma", "finite number"),
         (dict(env_kwargs="[1, 2]"), "env_kwargs", "JSON object"),
         (dict(env_kwargs='{"size": 4, "sise": 4}'), "env_kwargs", "unexpected keyword argument 'sise'.*fix the names"),
-        (dict(env_kwargs={"size": "four"}), "env_kwargs", r"TinyEnv.tasks\('train'\) raised TypeError.*fix the values"),
-        (dict(env_kwargs={"size": 2, "goal_side": "right"}), "eval_split", "has no tasks"),
         (dict(env_name="tests.reliability.test_config:NotAnEnv"), "env_name", "not a subclass of envs.base.TextEnv"),
         (dict(env_step_timeout=60.0, ddp_timeout=20), "env_step_timeout", "below ddp_timeout"),
     ],
@@ -53,6 +51,29 @@ def test_invalid_fields_fail_with_the_field_and_the_fix(overrides, field, fix):
     with pytest.raises(ValueError, match=field) as error:
         BiPACEConfig(**{**BASE, **overrides})
     assert pytest.importorskip("re").search(fix, str(error.value)), str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,field,fix",
+    [
+        (dict(env_kwargs={"size": "four"}), "env_kwargs", r"TinyEnv.tasks\('train'\) raised TypeError.*fix the values"),
+        (dict(env_kwargs={"size": 2, "goal_side": "right"}), "eval_split", "has no tasks"),
+    ],
+)
+def test_splits_without_tasks_fail_in_the_pre_flight_and_the_trainer_not_in_the_config(overrides, field, fix, tmp_path):
+    """Listing a split's tasks is env I/O (ALFWorld generates its games): a config builds without it, and
+    bipace-train's pre-flight and the trainer refuse the run, before any model loads, in one line."""
+    from trl import ModelConfig
+
+    from bipace_trainer import BiPACETrainer
+    from bipace_trainer.cli import preflight
+
+    config = BiPACEConfig(**{**BASE, **overrides, "output_dir": str(tmp_path)})  # no env I/O here
+    with pytest.raises(preflight.ConfigError, match=field) as error:
+        preflight.check_run(config, ModelConfig())
+    assert pytest.importorskip("re").search(fix, str(error.value)) and "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=fix):  # a model path that does not exist: the check comes first
+        BiPACETrainer(str(tmp_path / "no-such-model"), args=config)
 
 
 def test_a_missing_optional_dependency_fails_at_start(monkeypatch):

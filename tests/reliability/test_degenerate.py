@@ -96,8 +96,8 @@ def test_a_non_finite_loss_stops_the_run_with_a_clear_error(warm_policy, tmp_pat
     model, tokenizer = warm_policy
 
     class NaNLoss(CapturingTrainer):
-        def _compute_loss(self, model, inputs):
-            return super()._compute_loss(model, inputs) * float("nan")
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * float("nan")
 
     args = tiny_args(tmp_path, preset="gigpo", max_steps=2, evaluate_before_training=False)
     trainer = NaNLoss(model, args=args, processing_class=tokenizer)

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bipace_trainer.cli import train  # noqa: E402
+from bipace_trainer.cli import preflight, train  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "reliability" / "run_tiny.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))
@@ -69,8 +69,8 @@ def test_a_warm_started_run_resumes_after_a_kill_in_its_sft_and_keeps_its_warm_s
     assert "not trained again" in printed and "seed=7 (checkpoint: 0;" in printed
     assert len(list((out / "runs").iterdir())) == 1  # the resumed run wrote on in its TensorBoard folder
 
-    with pytest.raises(train.ConfigError, match="num_generations=2 differs from checkpoint-2's 4"):
+    with pytest.raises(preflight.ConfigError, match="num_generations=2 differs from checkpoint-2's 4"):
         train.main(*train.parse_args([*flags, "--max_steps", "3", "--num_generations", "2",
                                       "--per_device_train_batch_size", "2"]))  # fmt: skip
-    with pytest.raises(train.ConfigError, match="holds another run's files"):
+    with pytest.raises(preflight.ConfigError, match="holds another run's files"):
         train.main(*train.parse_args([*flags[:-2], "--max_steps", "3"]))

@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bipace_trainer.cli import train  # noqa: E402
+from bipace_trainer.cli import preflight, train  # noqa: E402
 from bipace_trainer import BiPACEConfig
 from bipace_trainer.run import run_dir
 from bipace_trainer.reports import show
@@ -102,7 +102,7 @@ def _old_run(folder: Path, steps=(1, 2, 3), run="old", config=None):
 def test_a_new_run_in_an_old_runs_output_dir_is_refused_before_any_weights_load(tmp_path):
     _old_run(tmp_path / "out")
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out")])
-    with pytest.raises(train.ConfigError, match=r"holds another run's files \(checkpoint-1/, checkpoint-2/, "
+    with pytest.raises(preflight.ConfigError, match=r"holds another run's files \(checkpoint-1/, checkpoint-2/, "
                        r"checkpoint-3/\).*--resume_from_checkpoint true.*--overwrite_output_dir true"):  # fmt: skip
         train.prepare_output_dir(*args)
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--overwrite_output_dir", "true"])
@@ -115,7 +115,7 @@ def test_resuming_a_checkpoint_into_a_folder_of_another_runs_checkpoints_is_refu
     _old_run(tmp_path / "elsewhere", steps=(5,), run="other")
     foreign = tmp_path / "elsewhere" / "checkpoint-5"
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(foreign)])
-    with pytest.raises(train.ConfigError, match=rf"{foreign} was saved by another run than the checkpoints in --output_dir "
+    with pytest.raises(preflight.ConfigError, match=rf"{foreign} was saved by another run than the checkpoints in --output_dir "
                        rf".*checkpoint-1, checkpoint-2, checkpoint-3.*would mix two runs.*--output_dir NEW_OR_EMPTY_FOLDER "
                        rf"--resume_from_checkpoint {foreign} resumes it exactly"):  # fmt: skip
         train.prepare_output_dir(*args)
@@ -125,7 +125,7 @@ def test_resuming_a_checkpoint_into_a_folder_of_another_runs_checkpoints_is_refu
     (tmp_path / "out" / "checkpoint-5" / "trainer_state.json").write_text("{}")
     (tmp_path / "out" / "checkpoint-5" / STATE_FILE).write_text(json.dumps({"run_id": "other"}))
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", "true"])
-    with pytest.raises(train.ConfigError, match=r"holds checkpoints of two runs \(checkpoint-5 and checkpoint-1, "
+    with pytest.raises(preflight.ConfigError, match=r"holds checkpoints of two runs \(checkpoint-5 and checkpoint-1, "
                        r"checkpoint-2, checkpoint-3 were saved by different runs\): move checkpoint-5"):  # fmt: skip
         train.prepare_output_dir(*args)
 
@@ -161,7 +161,7 @@ def test_a_resume_refuses_what_changes_the_run_and_warns_for_overrides(tmp_path,
     for change, field in [(["--preset", "grpo"], "preset"), (["--num_generations", "2", "--per_device_train_batch_size",
                           "2"], "num_generations"), (["--env_kwargs", '{"size": 5}'], "env_kwargs"),
                           (["--model_name_or_path", "other-model"], "model_name_or_path")]:  # fmt: skip
-        with pytest.raises(train.ConfigError, match=rf"{field}=.*differs from checkpoint-3's.*another run"):
+        with pytest.raises(preflight.ConfigError, match=rf"{field}=.*differs from checkpoint-3's.*another run"):
             train.prepare_output_dir(*train.parse_args([*resume, *change]))
     args = train.parse_args([*resume, "--seed", "7", "--learning_rate", "1e-2"])
     train.prepare_output_dir(*args)
@@ -401,7 +401,7 @@ def test_report_to_all_without_a_wandb_key_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     _, training_args, _ = train.parse_args([*TINY, "--report_to", "all"])
     assert "wandb" in training_args.report_to
-    with pytest.raises(train.ConfigError, match=r"includes wandb, which has no API key here: set WANDB_API_KEY.*"
+    with pytest.raises(preflight.ConfigError, match=r"includes wandb, which has no API key here: set WANDB_API_KEY.*"
                        r"WANDB_MODE=offline.*--report_to"):  # fmt: skip
         train.check_trackers(training_args)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -411,6 +411,10 @@ def test_report_to_all_without_a_wandb_key_is_one_line(monkeypatch, tmp_path):
 def test_a_webshop_reward_setting_is_checked_before_the_model_loads(tmp_path):
     pytest.importorskip("bm25s")
     pytest.importorskip("rapidfuzz")
-    with pytest.raises(ValueError, match=r"env_kwargs=.*reward='bogus'; use 'score'"):
-        BiPACEConfig(output_dir=str(tmp_path), use_cpu=True, env_name="webshop",
-                     env_kwargs={"reward": "bogus", "cache_dir": str(tmp_path / "shop")})  # fmt: skip
+    from trl import ModelConfig
+
+    # listing the split's tasks checks it: env I/O, so the pre-flight does it (the config builds), one line
+    config = BiPACEConfig(output_dir=str(tmp_path), use_cpu=True, env_name="webshop",
+                          env_kwargs={"reward": "bogus", "cache_dir": str(tmp_path / "shop")})  # fmt: skip
+    with pytest.raises(preflight.ConfigError, match=r"env_kwargs=.*reward='bogus'; use 'score'"):
+        preflight.check_run(config, ModelConfig())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bipace_trainer.cli import train
+from bipace_trainer.cli import preflight, train
 from bipace_trainer.reports import report
 from bipace_trainer.reports.model_card import CARD_MARKER
 from bipace_trainer.run import run_dir
@@ -49,7 +49,7 @@ def finished_run(folder: Path, step: int = 3, checkpoints: tuple[int, ...] = (),
 def test_a_new_run_in_a_folder_holding_a_run_without_checkpoints_is_refused_in_one_line(tmp_path):
     out = finished_run(tmp_path / "out")
     args = train.parse_args([*TINY, "--output_dir", str(out)])
-    with pytest.raises(train.ConfigError) as refused:
+    with pytest.raises(preflight.ConfigError) as refused:
         train.prepare_output_dir(*args)
     message = str(refused.value)
     assert "\n" not in message and "holds another run's files (README.md, adapter_config.json" in message
@@ -85,7 +85,7 @@ def test_the_main_jobs_default_folder_taken_by_an_earlier_run_gives_the_next_fre
     resumed = train.parse_args(["--env", "tiny", "--env_kwargs", '{"size": 4}', "--resume_from_checkpoint", "true"])
     assert train.prepare_output_dir(*resumed) == 3 and resumed[1].output_dir == default  # finished: nothing to train
     named = train.parse_args(["--env", "tiny", "--env_kwargs", '{"size": 4}', "--output_dir", default])
-    with pytest.raises(train.ConfigError, match="holds another run's files"):
+    with pytest.raises(preflight.ConfigError, match="holds another run's files"):
         train.prepare_output_dir(*named)
 
 
@@ -107,7 +107,7 @@ def test_a_finished_run_without_checkpoints_asked_to_go_further_is_refused(tmp_p
     args = train.parse_args([*TINY, "--output_dir", str(out), "--resume_from_checkpoint", "true", "--max_steps", "3"])
     assert train.prepare_output_dir(*args) == 3  # as far as it was asked: nothing to train
     args = train.parse_args([*TINY, "--output_dir", str(out), "--resume_from_checkpoint", "true", "--max_steps", "6"])
-    with pytest.raises(train.ConfigError, match=r"finished at step 3 and saved no checkpoint .* cannot train on to "
+    with pytest.raises(preflight.ConfigError, match=r"finished at step 3 and saved no checkpoint .* cannot train on to "
                        r"max_steps=6: start a new run"):  # fmt: skip
         train.prepare_output_dir(*args)
     assert (out / "eval_results.json").exists()  # and nothing was removed
@@ -117,7 +117,7 @@ def test_resuming_an_empty_checkpoint_folder_is_refused_before_any_weights_load(
     (tmp_path / "out" / "checkpoint-3").mkdir(parents=True)
     args = train.parse_args([*TINY, "--output_dir", str(tmp_path / "out"),
                              "--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-3")])  # fmt: skip
-    with pytest.raises(train.ConfigError, match="holds no complete checkpoint .no trainer_state.json"):
+    with pytest.raises(preflight.ConfigError, match="holds no complete checkpoint .no trainer_state.json"):
         train.prepare_output_dir(*args)
 
 
@@ -133,7 +133,7 @@ def test_a_refused_resume_names_the_value_that_resumes_it_and_that_value_is_acce
     (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
     (out / "checkpoint-2" / STATE_FILE).write_text(json.dumps({"run_id": "r", "config": config}))
     resume = [*TINY, "--output_dir", str(out), "--model_name_or_path", "tiny-model", "--resume_from_checkpoint", "true"]
-    with pytest.raises(train.ConfigError) as refused:
+    with pytest.raises(preflight.ConfigError) as refused:
         train.prepare_output_dir(*train.parse_args(resume))  # the flag dropped: the defaults differ from the saved run
     assert f"resume as saved with {flag}" in str(refused.value)
     import shlex

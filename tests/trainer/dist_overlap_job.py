@@ -50,10 +50,10 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 
 from bipace_trainer import BiPACETrainer  # noqa: E402
 from bipace_trainer.models import load_tokenizer  # noqa: E402
-from bipace_trainer.rollout.overlap import SnapshotPolicy  # noqa: E402
+from bipace_trainer.update.overlap import SnapshotPolicy  # noqa: E402
 from tests.trainer.tiny_setup import StopAfter, tiny_args  # noqa: E402
 
-BACKGROUND = "bipace-rollout-overlap"  # the thread `rollout.overlap._Background` starts
+BACKGROUND = "bipace-rollout-overlap"  # the thread `update.overlap._Background` starts
 COLLECTIVES = (
     "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
     "_allgather_base", "broadcast", "reduce", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base",
@@ -151,8 +151,7 @@ class OverlapRecorder(BiPACETrainer):
         self.allreduces_beside_background, self.hooked = [0, 0], False  # DDP's bucket all-reduces: (beside, all)
         self.add_callback(Digests(self))
 
-    def _scored_rollout(self, tasks, prefetched=None):
-        scored = super()._scored_rollout(tasks, prefetched)
+    def on_scored(self, scored):
         if self.model.training:
             self.generations.append({
                 "tasks": sorted({e.task_id for e in scored.rollout.episodes}),

@@ -26,8 +26,7 @@ class FixedAdvantageTrainer(BiPACETrainer):
     """Gives each row a fixed, non-zero advantage: the tiny untrained policy wins no episode, so the
     estimator's advantages would all be 0 and the step would move nothing."""
 
-    def _scored_rollout(self, tasks, prefetched=None):
-        scored = super()._scored_rollout(tasks, prefetched)
+    def on_scored(self, scored):
         advantages = scored.batch["advantages"]
         scored.batch["advantages"] = torch.linspace(-1.0, 1.0, advantages.numel()).to(advantages.device)
         return scored._replace(signal=True)

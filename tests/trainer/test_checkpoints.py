@@ -107,7 +107,7 @@ def test_per_rank_files_load_on_a_multi_process_cpu_device(tmp_path):
     """accelerate's device on a multi-process CPU run is `cpu:0`, a location `torch.load` refuses
     ("don't know how to restore data location"): the resume of a two-process CPU run with a
     buffered generation or a prefetched rollout failed on it (`test_distributed_overlap`)."""
-    from bipace_trainer.rollout.overlap import RolloutOverlap
+    from bipace_trainer.update.overlap import RolloutOverlap
     from bipace_trainer.run.checkpointing import BUFFER_FILE, OVERLAP_FILE, load_run_state
 
     rank = 1

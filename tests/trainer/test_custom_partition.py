@@ -38,15 +38,18 @@ def by_hidden_sign():
     PARTITIONS.pop("by_hidden_sign")
 
 
-def test_the_trainer_captures_hidden_states_only_for_a_partition_that_reads_them(
+def test_the_trainer_captures_hidden_states_only_for_a_partition_that_reads_them_or_when_asked(
     tiny_policy, by_turn, by_hidden_sign, tmp_path
 ):
     model, tokenizer = tiny_policy
-    for partition, captures in ((by_turn, False), (by_hidden_sign, True)):
-        args = tiny_args(tmp_path / partition, preset="gigpo", step_partition=partition, evaluate_before_training=False)
+    cases = ((by_turn, False, False), (by_hidden_sign, False, True), (by_turn, True, True))  # capture_hidden_states
+    for partition, asked, captures in cases:
+        args = tiny_args(tmp_path / f"{partition}-{asked}", preset="gigpo", step_partition=partition,
+                         capture_hidden_states=asked, evaluate_before_training=False)
         trainer = BiPACETrainer(model=model, args=args, processing_class=tokenizer)
         try:
-            assert trainer.needs_hidden is captures, partition
+            assert trainer.needs_hidden is captures, (partition, asked)
+            assert trainer.collector.hidden is trainer.hidden_plan  # the one plan, chosen once
         finally:
             trainer.close_envs()
 

@@ -121,7 +121,7 @@ def test_overlap_is_refused_under_zero3_and_fsdp_and_with_trls_tool_envs(monkeyp
     from types import SimpleNamespace
 
     from bipace_trainer import BiPACETrainer
-    from bipace_trainer.rollout.overlap import RolloutOverlap
+    from bipace_trainer.update.overlap import RolloutOverlap
 
     def trainer(zero_stage=None, fsdp=False):
         plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None

@@ -140,3 +140,44 @@ def test_a_trained_runs_output_dir_is_evaluated_as_the_run_evaluated_itself(warm
     assert (got.env, got.env_kwargs, got.split, got.max_turns, got.history_length, got.max_completion_length,
             got.temperature, got.tasks, got.episodes_per_task) == (
         "tiny", args.env_kwargs, [final["split"]], 3, args.history_length, args.max_completion_length, 0.2, 2, 1)
+
+
+@pytest.mark.slow
+def test_a_runs_output_dir_replays_its_final_evaluation_to_the_same_episodes(warm_policy_dir, tmp_path, capsys):
+    """`bipace-eval RUN_DIR` plays the run's final evaluation again: a LoRA run as the main job's, whose
+    final evaluation samples at 1.0 (the replies differ from seed to seed), gives the same replies, turn by
+    turn, and prints the summary's held-out figure twice."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from bipace_trainer import BiPACETrainer
+    from bipace_trainer.models import load_tokenizer
+
+    from .tiny_setup import LORA, tiny_args
+
+    args = tiny_args(tmp_path / "run", max_steps=1, eval_tasks=2, eval_rollouts_per_task=2, eval_temperature=1.0,
+                     max_turns=3, preset="grpo", rollout_dump_steps=1, seed=5)  # fmt: skip
+    trainer = BiPACETrainer(AutoModelForCausalLM.from_pretrained(warm_policy_dir), args=args,
+                            processing_class=load_tokenizer(warm_policy_dir), peft_config=LoraConfig(**LORA))  # fmt: skip
+    trainer.train()
+    trainer.save_model()
+    trainer.close_envs()
+    final = trainer.eval_history[-1]
+    run_dir = str(tmp_path / "run")
+
+    def replies(path):
+        return sorted((e["task_id"], [turn["reply"] for turn in e["turns"]]) for e in load_episodes(path))
+
+    capsys.readouterr()  # the training's logs
+    assert evaluate.main([run_dir, "--use_cpu", "--no_progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("seed 5, the one the run's final evaluation sampled with")  # after the threads and settings
+    played = replies(tmp_path / "run" / "bipace_eval" / "run" / "rollouts" / "eval-valid-seed5-chunk0000-step-000000.jsonl")
+    assert played == replies(tmp_path / "run" / "rollouts" / "eval-final-step-000001.jsonl")
+    figure = f"{final['success_rate']:.3f} ({round(final['success_rate'] * 4)} of 4 episodes"
+    assert [line.split(": ", 1)[1].startswith(figure) for line in out[-2:]] == [True, True], out[-2:]
+    # another seed samples other replies: the match above is the seed's, not the model's certainty
+    assert evaluate.main([run_dir, "--use_cpu", "--no_progress", "--seeds", "6"]) == 0
+    assert "asked for (the run's final evaluation sampled seed 5" in capsys.readouterr().out
+    other = replies(tmp_path / "run" / "bipace_eval" / "run" / "rollouts" / "eval-valid-seed6-chunk0000-step-000000.jsonl")
+    assert other != played

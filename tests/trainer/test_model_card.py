@@ -73,7 +73,7 @@ def test_the_card_from_plain_values_without_a_trainer(tmp_path):
     from bipace_trainer.reports.model_card import model_card
 
     args = BiPACEConfig(output_dir=str(tmp_path), use_cpu=True, env_name="tiny", preset="gigpo", report_to="none")
-    model = SimpleNamespace(config=SimpleNamespace(_name_or_path="Qwen/Qwen2.5-1.5B-Instruct"),
+    model = SimpleNamespace(config=SimpleNamespace(name_or_path="Qwen/Qwen2.5-1.5B-Instruct"),
                             peft_config={"default": SimpleNamespace(r=8, lora_alpha=16)})
     history = [
         {"tag": "before", "success_rate": 0.25, "num_tasks": 8, "per_type": {"depth=1": 0.5}},

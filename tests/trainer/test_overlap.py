@@ -1,5 +1,5 @@
 """`max_staleness=1`: the next generation plays on a background thread while the current update
-runs (`rollout.overlap`), corrected by TRL's importance-sampling ratio."""
+runs (`update.overlap`), corrected by TRL's importance-sampling ratio."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.models import load_tokenizer
-from bipace_trainer.rollout.batching import padded_tensors, training_batch
-from bipace_trainer.rollout.overlap import Lookahead, Prefetched, SnapshotPolicy, _Background
+from bipace_trainer.update.batching import padded_tensors, training_batch
+from bipace_trainer.update.overlap import Lookahead, Prefetched, SnapshotPolicy, _Background
 
 from .tiny_setup import LORA, CapturingTrainer, StopAfter, lora_state, tiny_args
 
@@ -161,7 +161,7 @@ def test_unchanged_weights_give_ratio_one_and_the_plain_loss_and_gradient(warm_p
     policy.score(rollout.steps)
     assert rollout.steps and all(len(s.sampling_logprobs) == len(s.completion_ids) for s in rollout.steps)
 
-    scored = trainer._scored_rollout(tasks, Prefetched([], rollout, snapshot_step=0))
+    scored = trainer.collect(tasks, Prefetched([], rollout, snapshot_step=0))
     stale = scored.batch
     ratio = stale["importance_sampling_ratio"]
     assert torch.equal(ratio, torch.ones_like(ratio))  # exactly, not approximately
@@ -192,10 +192,10 @@ def test_unchanged_weights_give_ratio_one_and_the_plain_loss_and_gradient(warm_p
 class WeightsPerGeneration(CapturingTrainer):
     """Also keeps the adapter's weights at each training generation, before its update."""
 
-    def _generate_and_score_completions(self, inputs):
+    def generate_and_score(self, inputs):
         self.weights = getattr(self, "weights", [])
         self.weights.append(lora_state(self.model))
-        return super()._generate_and_score_completions(inputs)
+        return super().generate_and_score(inputs)
 
 
 @pytest.mark.slow
@@ -256,8 +256,7 @@ class BehaviourSteps(CapturingTrainer):
     """Also keeps, per training generation, the optimizer step at which it was trained and the one
     whose weights played it (None: played now)."""
 
-    def _scored_rollout(self, tasks, prefetched=None):
-        scored = super()._scored_rollout(tasks, prefetched)
+    def on_scored(self, scored):
         self.behaviour = getattr(self, "behaviour", [])
         self.behaviour.append((self.state.global_step, scored.behaviour_step))
         return scored

@@ -88,3 +88,16 @@ def test_the_sigterm_handler_is_restored_after_train_raises(tiny_policy, tmp_pat
         assert received == [signal.SIGTERM]  # the process answers SIGTERM as before train()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_signal_line_says_why_a_step_whose_episodes_all_won_still_trained():
+    from bipace_trainer.cli.run_end import signal_line
+
+    curve = [{"step": 1, "batch_success": 0.5, "skipped": 0.0}, {"step": 2, "batch_success": 0.75, "resamples": 1.0},
+             {"step": 3, "batch_success": 1.0, "skipped": 0.0}, {"step": 4, "batch_success": 1.0, "skipped": 1.0}]
+    assert signal_line(curve) == (
+        "RL steps with non-zero advantages: 3 of 4 (1 batch without signal played again on another goal; step 3 won "
+        "every episode: the advantages come from the discount, which pays a shorter win more); training-batch success "
+        "0.50 at step 1 -> 1.00 at step 4")  # step 4 won every episode too, but was skipped: no signal, nothing to explain
+    assert signal_line(curve[:2]).endswith("(1 batch without signal played again on another goal); training-batch "
+                                           "success 0.50 at step 1 -> 0.75 at step 2")

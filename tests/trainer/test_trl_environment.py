@@ -19,7 +19,7 @@ from trl import GRPOConfig, GRPOTrainer
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.models import load_tokenizer
 
-from tests.test_tool_envs import BrokenLamps
+from tests.rollout.test_tool_envs import BrokenLamps
 from tests.trainer.tool_setup import Lamps, make_model, make_tokenizer, prompt_dataset, warm_start
 
 # What a TRL user passes, the same for both trainers.
@@ -66,8 +66,7 @@ def test_the_same_environment_trains_under_grpo_and_bipace_with_one_word_changed
 class Recording(BiPACETrainer):
     """Keeps each training generation's rollout and the estimator's full estimate (cells included)."""
 
-    def _scored_rollout(self, tasks):
-        scored = super()._scored_rollout(tasks)
+    def on_scored(self, scored):
         self.recorded.append((scored.rollout, scored.estimate))
         return scored
 

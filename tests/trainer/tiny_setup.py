@@ -92,8 +92,8 @@ class CapturingTrainer(BiPACETrainer):
     def on_rollout(self, rollout, advantages, diagnostics):
         self._seen = (rollout, advantages.clone())
 
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+    def generate_and_score(self, inputs):
+        output = super().generate_and_score(inputs)
         self.captured.append((*self._seen, dict(output)))
         self.skipped_updates.append(self._skip_update)
         self.captured_hidden.append(getattr(self, "_estimated_hidden", None))

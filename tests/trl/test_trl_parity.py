@@ -29,12 +29,12 @@ from bipace_trainer.advantages import StepAdvantageEstimator, StepBatch
 from bipace_trainer.advantages.presets import estimate_advantages
 from bipace_trainer.config import GRPO_FIELDS
 from bipace_trainer.rollout.loop import StepRecord
-from bipace_trainer.trl_advantages import grpo_advantages
+from bipace_trainer.update.one_step import grpo_advantages
 from bipace_trainer.rollout.hidden import clamp_layer
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 from bipace_trainer.rollout.tool_envs import check_environment_factory
-from bipace_trainer.trl_metrics import EpisodeSummary, processed_token_count, trl_metrics, trl_token_count
-from tests.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
+from bipace_trainer.update.metrics import EpisodeSummary, processed_token_count, trl_metrics, trl_token_count
+from tests.rollout.test_tool_envs import BrokenLamps, call, play, tokenizer  # noqa: F401  (the module's fixture)
 from tests.trainer.tool_setup import Lamps
 from tests.trl.thermostat import Thermostat, prompt_dataset
 
@@ -270,7 +270,9 @@ def _run_script(source: str, model_dir: Path, output_dir: Path, trainer_class, m
     """Execute the script's source; count the generations and their episodes as the trainer makes them,
     and keep each training generation's batch (`trainer.batches`)."""
     generations, batches = [], []
-    original = trainer_class._generate_and_score_completions
+    # ours: its public hook; TRL's: its seam for a custom rollout
+    seam = "generate_and_score" if hasattr(trainer_class, "generate_and_score") else "_generate_and_score_completions"
+    original = getattr(trainer_class, seam)
 
     def counted(self, inputs):
         output = original(self, inputs)
@@ -279,11 +281,11 @@ def _run_script(source: str, model_dir: Path, output_dir: Path, trainer_class, m
             batches.append(output)
         return output
 
-    monkeypatch.setattr(trainer_class, "_generate_and_score_completions", counted)
+    monkeypatch.setattr(trainer_class, seam, counted)
     namespace = {"__name__": "grpo_script"}
     exec(compile(source, str(SCRIPT), "exec"), namespace)  # noqa: S102 - the test's own script file
     trainer = namespace["main"](str(model_dir), str(output_dir), case, **config)
-    monkeypatch.setattr(trainer_class, "_generate_and_score_completions", original)
+    monkeypatch.setattr(trainer_class, seam, original)
     logged = {key for entry in trainer.state.log_history for key in entry}
     trainer.batches = batches
     return trainer, generations, logged
@@ -360,9 +362,9 @@ def test_scale_rewards_is_the_estimators_normalisation(scale, norm):
 @pytest.mark.parametrize("preset", ["grpo", "bipace_q", "hgpo", "graphgpo", "bigraphgpo"])
 def test_plain_prompts_take_the_episode_term_of_every_preset(preset):
     """Plain prompts (one-step episodes): every preset, the graph ones included, becomes its episode term."""
-    config = BiPACEConfig(**COMMON, preset=preset)
-    config.set_one_step_estimator()
-    s = config.estimator
+    from bipace_trainer.run.plan import one_step_settings
+
+    s = one_step_settings(BiPACEConfig(**COMMON, preset=preset).estimator)
     assert (s.step_partition, s.step_baseline, s.w_ep, s.w_step, s.step_return) == ("none", None, 1.0, 0.0, "discounted")
 
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
+from bipace_trainer.rollout.hidden import HiddenPlan  # noqa: E402
 from bipace_trainer.rollout.vllm_backend import PrefixCacheCounter, WeightSyncs  # noqa: E402
 from tests.trainer.dist_job import RankSkewEnv  # noqa: E402,F401  (the env, by dotted path below)
 from tests.trainer.tiny_setup import CapturingTrainer, make_model, make_tokenizer, tiny_args  # noqa: E402
@@ -125,7 +126,9 @@ def main():
     policy = trainer.policy
     policy.trl.vllm_generation, policy.use_vllm, trainer.batch_spec.use_vllm = generation, True, True
     policy.weight_syncs = WeightSyncs(generation)
-    trainer.needs_hidden = trainer.needs_hidden  # the HiddenPlan chosen again, now under vLLM
+    # the HiddenPlan chosen again, now under vLLM
+    trainer.hidden_plan = trainer.collector.hidden = HiddenPlan.choose(
+        trainer.needs_hidden, trainer.args.hidden_capture, True, trainer.args.cluster_layer)
     if continuous:  # what the policy sets up for vllm_mode="server" in continuous mode
         policy.can_stream, policy.prefix_cache = True, PrefixCacheCounter()
         assert trainer.collector.streams

@@ -112,7 +112,7 @@ def main() -> None:
     trainer.batch_spec = trainer.trl_batch_spec(mask_cut_episodes=False)
     rows = trainer.train_dataset.select(range(2))
     inputs = [{"task_id": row["task_id"]} for row in rows for _ in range(config.num_generations)]
-    uncorrected = trainer._generate_and_score_completions(inputs)
+    uncorrected = trainer.generate_and_score(inputs)
     trainer.close_envs()
 
     final = lora_state(trainer.model)
