@@ -11,7 +11,7 @@ tree every `--interval` seconds (psutil). The child marks the phases it enters i
 attributed to the innermost phase running when it was taken; a phase's peak is the largest
 sample inside it. Variants (`VARIANTS`):
 
-- `after`: the code as it is: `bipace_trainer.memory.bound_cpu_memory` (small log-prob tiles,
+- `after`: the code as it is: `bipace_trainer.update.memory.bound_cpu_memory` (small log-prob tiles,
   a fixed glibc mmap threshold) and the main job's gradient checkpointing;
 - `before`: the job as it was: `bound_cpu_memory` made a no-op, `--gradient_checkpointing false`;
 - `no_checkpointing`: `after` without gradient checkpointing (what the two memory bounds

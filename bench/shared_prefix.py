@@ -255,7 +255,7 @@ def run(trainer, cli) -> dict:
 def estimate(trainer, inputs) -> dict:
     """The cost model's estimates for the update of this micro-batch, forwarding nothing: TRL's pieces against
     what the shared-prefix update would forward (its pieces cut in token order where that pays)."""
-    from bipace_trainer.micro_batches import length_order, take_rows
+    from bipace_trainer.update.micro_batches import length_order, take_rows
 
     shared, size = trainer.shared_prefix, trainer.args.per_device_train_batch_size
     plain = length_order(inputs, size)

@@ -15,7 +15,8 @@ import trl.kernels.chunked_logprob as kernel
 import trl.trainer.utils as trl_utils
 from trl.trainer.utils import add_fused_lm_head
 
-from bipace_trainer import BiPACETrainer, memory, trl_compat
+from bipace_trainer import BiPACETrainer, trl_compat
+from bipace_trainer.update import memory
 from bipace_trainer.models import bpe_chat_tokenizer, tiny_qwen2
 
 # TRL 1.16's own tile sizes, which the bound replaces on a CPU.

@@ -481,7 +481,7 @@ def test_pieces_are_cut_for_packing_only_where_the_packed_forward_will_run(tmp_p
 def test_the_estimate_is_what_the_update_forwards(tmp_path):
     """`estimate` (the bench's `--plan-only`) forwards nothing and reports what the update then forwarded: the
     packed side's tokens and FLOPs are the forward's own counters, the plain side's are TRL's pieces'."""
-    from bipace_trainer.micro_batches import length_order, take_rows
+    from bipace_trainer.update.micro_batches import length_order, take_rows
 
     trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
     inputs, forward = _micro_batch(), trainer.shared_prefix
