@@ -63,7 +63,9 @@ tests/trainer/test_shared_prefix_distributed.py). A left-padded row sits at othe
 in the plain path; for rotary positions only relative ones count. The first packed forward is checked
 against the plain path on its rows (at most a plain forward's, eval mode, no gradients), and a mismatch
 turns the feature off with a warning, so a model whose attention cannot take the layout never trains on
-it. It is off, with the reason logged once, for attention that takes no custom mask (flash attention),
+it. Which rows go together never depends on whether that check has run yet in this process, so a resumed
+run cuts the same pieces as the run it continues (tests/reliability/test_interruption.py); were the check
+to fail on an update piece cut for packing, that one piece is forwarded plain with its extra rows. It is off, with the reason logged once, for attention that takes no custom mask (flash attention),
 sliding-window layers, ZeRO-3 and FSDP (not verified equal), MoE auxiliary losses and vision inputs,
 and the pass that captures hidden states by position (vLLM with a `hidden` preset). See
 docs/performance.md for the measured gain.
@@ -556,8 +558,10 @@ class SharedPrefixForward:
         parts = []
         for run in runs:
             index = torch.tensor(run.rows, device=input_ids.device)
-            if run.plan is not None and not self.checked:
-                self._check(model, input_ids[index], attention_mask[index], run.plan, plain)
+            if run.plan is not None and not self.checked:  # on at most a plain forward's rows
+                first = run.rows[:chunk]
+                checked = index[:chunk]
+                self._check(model, input_ids[checked], attention_mask[checked], self._plan(rows, first), plain)
             if run.plan is None or not self.enabled:
                 run.plan = None
                 parts.append((index, *plain(model, input_ids[index], attention_mask[index])[:2]))
@@ -573,9 +577,9 @@ class SharedPrefixForward:
         token order within a plain forward's tokens, packed where that pays over all of them. Otherwise TRL's
         chunks of `chunk` rows, each packed where it pays (`worth_packing`)."""
         every = list(range(len(rows.sequences)))
-        if len(every) > chunk and torch.is_grad_enabled() and self.checked:
+        if len(every) > chunk and torch.is_grad_enabled():
             return [_Run(every, self._plan(rows, every))]
-        if len(every) > chunk and self.checked:
+        if len(every) > chunk:
             grouped = [_Run(run, self._plan(rows, run)) for run in group_rows(rows.sequences, chunk * rows.width)]
             packed = _total([packed_cost(run.plan, self.attention, self.shape.heads) for run in grouped], False)
             if worth_packing(packed, self._plain_cost(rows, every, chunk), self.shape):
@@ -602,7 +606,7 @@ class SharedPrefixForward:
         None for the plain pieces, each then packed where it pays (`_plain_pieces_reason` says when always), or
         none packed (`applies`)."""
         extra = {key: inputs.get(key) for key in _VISION_INPUTS}
-        if not (self.checked and self.applies(self.trainer.aux_loss_enabled, extra, compute_entropy=True)):
+        if not self.applies(self.trainer.aux_loss_enabled, extra, compute_entropy=True):
             return None  # a piece cut for packing must be packed: its rows exceed a plain piece's
         if self.trainer.accelerator.num_processes > 1:
             # Several processes keep the plain pieces: TRL's loss gathers once per piece, and regrouped pieces
@@ -631,7 +635,7 @@ class SharedPrefixForward:
         """The cost model's view of an update's pieces (`micro_batches.take_rows`), forwarding nothing (the
         bench's `--plan-only`, and its estimates beside what it measures): tokens and FLOPs over all forwards
         and the largest forward's peak memory, of TRL's forward (`packed` False) or of the forwards this one
-        would run (True: as `_runs` decides, so after the first-use check and with gradients enabled)."""
+        would run (True: as `_runs` decides, with gradients enabled)."""
         size, costs = self.trainer.args.per_device_train_batch_size, []
         for piece in pieces:
             keep = piece["completion_ids"].size(1)

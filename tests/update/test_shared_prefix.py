@@ -470,12 +470,16 @@ def test_pieces_are_cut_for_packing_only_where_the_packed_forward_will_run(tmp_p
     trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
     inputs = _micro_batch()
     forward, plain = trainer.shared_prefix, length_order(inputs, 2)
-    assert forward.pieces(inputs, plain) is None  # not checked yet: the first update keeps the plain pieces
+    assert forward.pieces(inputs, plain) is None  # outside `scope()`
+    with forward.scope():
+        before_check = forward.pieces(inputs, plain)
     _step(trainer, inputs)
     assert forward.checked and forward.pieces(inputs, plain) is None  # outside `scope()`
     with forward.scope():
         runs = forward.pieces(inputs, plain)
     assert runs is not None and len(runs) < len(plain) and sorted(r for run in runs for r in run) == list(range(14))
+    # the same pieces before the first-use check as after: a resumed run cuts what the run it continues cut
+    assert before_check == runs
 
 
 def test_the_estimate_is_what_the_update_forwards(tmp_path):
@@ -485,7 +489,7 @@ def test_the_estimate_is_what_the_update_forwards(tmp_path):
 
     trainer = _trainer(tmp_path, True, per_device_train_batch_size=2)
     inputs, forward = _micro_batch(), trainer.shared_prefix
-    _step(trainer, inputs)  # the first update: the first-use check, on the plain pieces
+    _step(trainer, inputs)  # the first update, with the first-use check
     plain = length_order(inputs, 2)
     with forward.scope():
         runs = forward.pieces(inputs, plain)
