@@ -389,8 +389,7 @@ class BiPACEConfig(GRPOConfig):
     )
     capture_hidden_states: bool = field(
         default=False,
-        metadata={"help": "Capture each step's hidden state even where the estimator's partition does not read it "
-                  "(a study recording it); by hidden_capture's route."},
+        metadata={"help": "Capture hidden states even if the partition ignores them (studies)."},
     )
     importance_sampling_level: str | None = field(
         default=None,
@@ -515,8 +514,7 @@ class BiPACEConfig(GRPOConfig):
     shared_prefix: bool = field(
         default=True,
         metadata={
-            "help": "Update: forward a prefix that rows share (a task's prompt, an episode's earlier turns) once, in "
-            "packed rows; the same log-probs and gradients (docs/performance.md). false: TRL's row-by-row forward."
+            "help": "Update: a prefix rows share forwarded once, exact (docs/performance.md); false: TRL's forward."
         },
     )
     require_think: bool = field(default=False, metadata={"help": "Require <think>…</think> for a valid reply."})
