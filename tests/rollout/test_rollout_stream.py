@@ -310,12 +310,11 @@ def test_trls_tool_envs_stream_the_same_chats_as_lockstep():
     from trl.chat_template_utils import add_response_schema
 
     from bipace_trainer.rollout.tool_envs import ToolEnvAdapter, ToolSession
-    from tests.rollout.test_tool_envs import call, fake_setup, rows, scripted
+    from tests.rollout.test_tool_envs import UNEQUAL_EPISODES, fake_setup, rows, scripted
     from tests.trainer.tool_setup import Lamps, make_tokenizer
 
     tokenizer = add_response_schema(make_tokenizer())
-    scripts = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_b"), "Done."], [call("flip_a", "flip_b"), "Done."],
-               [call("flip_a"), call("flip_a"), call("flip_b"), "Done."], ["Done."]]
+    scripts = UNEQUAL_EPISODES
     played = {}
     for mode in ("lockstep", "continuous"):
         trainer = fake_setup(tokenizer, Lamps)

@@ -92,6 +92,12 @@ def scripted(tokenizer, trainer, scripts):
     return generate
 
 
+# Episodes of unequal length (one to three tool calls, a call of two tools, none): the scripts the
+# lockstep-versus-continuous tests play in both modes.
+UNEQUAL_EPISODES = [[call("flip_a"), call("flip_b"), "Done."], [call("flip_b"), "Done."], [call("flip_a", "flip_b"), "Done."],
+                    [call("flip_a"), call("flip_a"), call("flip_b"), "Done."], ["Done."]]
+
+
 def rows(count, environment=None):
     out = []
     for i in range(count):
