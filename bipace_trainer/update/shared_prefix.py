@@ -559,9 +559,8 @@ class SharedPrefixForward:
         for run in runs:
             index = torch.tensor(run.rows, device=input_ids.device)
             if run.plan is not None and not self.checked:  # on at most a plain forward's rows
-                first = run.rows[:chunk]
-                checked = index[:chunk]
-                self._check(model, input_ids[checked], attention_mask[checked], self._plan(rows, first), plain)
+                first = index[:chunk]
+                self._check(model, input_ids[first], attention_mask[first], self._plan(rows, run.rows[:chunk]), plain)
             if run.plan is None or not self.enabled:
                 run.plan = None
                 parts.append((index, *plain(model, input_ids[index], attention_mask[index])[:2]))
