@@ -3,10 +3,13 @@
     OMP_NUM_THREADS=1 python -m bench.reference_fidelity                  # 400 batches per estimator
     OMP_NUM_THREADS=1 python -m bench.reference_fidelity --examples 100 --out /tmp/fidelity.json
 
-For `gigpo`, `hgpo` and `graphgpo` in their compatibility settings (`episode_stats="steps"`), on
+For `gigpo`, `hgpo`, `graphgpo` and `beacon` in their compatibility settings (`episode_stats="steps"`), on
 batches drawn by the compatibility tests' own strategies (tests/advantages: `step_lists`,
-`graph_batches`; hypothesis, derandomized, so a rerun draws the same batches), the largest
-|A_ours − A_ref| per row against the verl-agent transcriptions (tests/advantages/*_reference.py):
+`graph_batches`, `beacon_batches`; hypothesis, derandomized, so a rerun draws the same batches), the
+largest |A_ours − A_ref| per row against the transcriptions of the authors' code (verl-agent's, and
+BEACON's `core_migpo.py`: tests/advantages/*_reference.py). `beacon` runs its two run scripts'
+settings, keyed by γ: ALFWorld's γ 0.9 with segment weight 10, WebShop's and ScienceWorld's γ 0.95
+with weight 1 (its differences scale with the weight), on static plans and dynamic flags alike:
 
 - "algorithm": the reference in float64 with a group's mean taken exactly where the transcription
   offers it (`exact_mean`): a difference here is a difference in method;
@@ -38,7 +41,8 @@ from bench import common
 from bipace_trainer.advantages import StepBatch, estimate_advantages, resolve_settings
 
 OUT = Path("docs/results/reference_fidelity.json")
-GAMMAS = {"gigpo": (0.9, 0.95, 1.0), "hgpo": (0.9, 0.95, 1.0), "graphgpo": (0.1, 0.5, 0.95)}
+GAMMAS = {"gigpo": (0.9, 0.95, 1.0), "hgpo": (0.9, 0.95, 1.0), "graphgpo": (0.1, 0.5, 0.95), "beacon": (0.9, 0.95)}
+BEACON_WEIGHTS = {0.9: 10.0, 0.95: 1.0}  # BEACON's run scripts: ALFWorld γ 0.9 weight 10; WebShop, ScienceWorld γ 0.95 weight 1
 MODES = {"mean_std": "mean_std_norm", "mean": "mean_norm"}
 LEVELS = {"gigpo": 0, "hgpo": 2, "graphgpo": 0}  # context levels of the state cells each preset's means run over
 
@@ -112,13 +116,50 @@ def graphgpo_case(rows, gamma, norm):
     return estimate, algorithm, code, group, anchor
 
 
+def beacon_case(batch, gamma, norm):
+    """`batch`: (rows, plans) of the compatibility test's strategy, rows (group, traj, t, reward, valid,
+    action, trial, flag); `plans` None: the dynamic path (the flags). The last item is each row's
+    segment cell, the cell its step term's mean runs over."""
+    from tests.advantages.beacon_reference import beacon_advantages
+
+    rows, plans = batch
+    group, traj, t, reward, valid, action, trial, flag = (list(col) for col in zip(*rows))
+    static = plans is not None
+    step_batch = StepBatch(group=group, traj=traj, t=t, reward=reward, valid=valid, action_text=action,
+                           milestone=None if static else flag,
+                           milestone_plan=[plans.get(k) for k in trial] if static else None)  # fmt: skip
+    weight = BEACON_WEIGHTS[gamma]
+    settings_ = resolve_settings("beacon", episode_stats="steps", advantage_norm=norm, step_gamma=gamma, w_step=weight)
+    estimate = estimate_advantages(step_batch, settings_)
+    common_args = dict(trial_id=trial if static else None, loader=plans, milestone_achieved=None if static else flag,
+                       gamma=gamma, mode=MODES[norm], step_advantage_w=weight)  # fmt: skip
+    algorithm = beacon_advantages(group, traj, reward, valid, action, dtype=torch.float64, exact_mean=True, **common_args)
+    code = beacon_advantages(group, traj, reward, valid, action, dtype=torch.float32, exact_mean=False, **common_args)
+    return estimate, algorithm, code, group, estimate.cell.tolist()
+
+
+def beacon_equal_rows(rows, estimate, penalty: float = 0.1) -> torch.Tensor:
+    """(N,) bool: the row's task group's episode scores are equal, or its segment cell's step rewards
+    (`step_return`, the penalty included) are, in exact arithmetic."""
+    episode, scores, cells = defaultdict(float), defaultdict(list), defaultdict(list)
+    for row in rows:
+        episode[row[1]] += row[3]
+    for i, row in enumerate(rows):
+        scores[row[0]].append(episode[row[1]] - penalty * (not row[4]))
+        cells[int(estimate.cell[i])].append(float(estimate.step_return[i]))
+    return torch.tensor([_all_equal(scores[row[0]]) or _all_equal(cells[int(estimate.cell[i])])
+                         for i, row in enumerate(rows)])  # fmt: skip
+
+
 def measure(name: str, examples: int) -> dict:
     """Largest differences per γ over `examples` derandomized batches of the compatibility tests' strategy."""
     from tests.advantages.strategies import step_lists
+    from tests.advantages.test_beacon_compat import beacon_batches
     from tests.advantages.test_graphgpo_compat import graph_batches
 
-    case = {"gigpo": gigpo_case, "hgpo": hgpo_case, "graphgpo": graphgpo_case}[name]
-    batches = graph_batches() if name == "graphgpo" else step_lists(max_groups=4, max_traj=6, max_len=8).map(_rows)
+    case = CASES[name]
+    batches = {"graphgpo": graph_batches(), "beacon": st.booleans().flatmap(beacon_batches)}.get(
+        name, step_lists(max_groups=4, max_traj=6, max_len=8).map(_rows))
     found: dict = defaultdict(lambda: {"algorithm": 0.0, "code_unequal": 0.0, "code_equal": 0.0, "rows": 0,
                                        "equal_rows": 0, "batches": 0})  # fmt: skip
 
@@ -127,8 +168,12 @@ def measure(name: str, examples: int) -> dict:
     @given(rows=batches, gamma=st.sampled_from(GAMMAS[name]), norm=st.sampled_from(["mean_std", "mean"]))
     def one(rows, gamma, norm):
         estimate, algorithm, code, group, anchor = case(rows, gamma, norm)
+        if name == "beacon":
+            rows = rows[0]
+            equal = beacon_equal_rows(rows, estimate)
+        else:
+            equal = equal_value_rows([r[:6] for r in rows], estimate.step_return, LEVELS[name])
         ours = estimate.advantage.to(torch.float64)
-        equal = equal_value_rows([r[:6] for r in rows], estimate.step_return, LEVELS[name])
         code_gap = (ours - code.to(torch.float64)).abs()
         f = found[gamma]
         f["algorithm"] = max(f["algorithm"], float((ours - algorithm.to(torch.float64)).abs().max()))
@@ -153,7 +198,6 @@ def equal_return_noise(name: str, gamma: float, sizes=range(2, 17), lengths=rang
     """The float32 code's advantage where every return of a cell is equal: G identical successful
     trajectories through `length` states (G in `sizes`), the method's answer being 0 on every row."""
     worst = {"noise": 0.0, "group_size": None, "length": None}
-    case = {"gigpo": gigpo_case, "hgpo": hgpo_case, "graphgpo": graphgpo_case}[name]
     for length in lengths:
         states = "abcdefgh"[:length]
         for size in sizes:
@@ -162,12 +206,22 @@ def equal_return_noise(name: str, gamma: float, sizes=range(2, 17), lengths=rang
                 for t, state in enumerate(states):
                     last = t == length - 1
                     row = (0, j, t, 10.0 if last else 0.0, True, state)
-                    rows.append(row + (("success" if last else states[t + 1]),) if name == "graphgpo" else row)
-            estimate, _, code, _, _ = case(rows, gamma, "mean_std")
+                    extra = {"graphgpo": ("success" if last else states[t + 1],), "beacon": ("trial", False)}
+                    rows.append(row + extra.get(name, ()))
+            batch = (rows, {"trial": [states[-1]]}) if name == "beacon" else rows  # one milestone: the last step
+            estimate, _, code, _, _ = CASES[name](batch, gamma, "mean_std")
             noise = float((code.to(torch.float64) - estimate.advantage.to(torch.float64)).abs().max())
             if noise > worst["noise"]:
                 worst = {"noise": noise, "group_size": size, "length": length}
     return worst
+
+
+CASES = {"gigpo": gigpo_case, "hgpo": hgpo_case, "graphgpo": graphgpo_case, "beacon": beacon_case}
+
+
+def _size(value: float) -> str:
+    """0 where exactly 0; three decimals where the artifact is visible, else its order of magnitude."""
+    return "0" if value == 0 else f"{value:.3f}" if value >= 1e-3 else f"{value:.1e}"
 
 
 def table(result: dict) -> str:
@@ -177,8 +231,8 @@ def table(result: dict) -> str:
         for gamma, f in by_gamma.items():
             noise = result["equal_return_noise"][name][gamma]
             lines.append(f"| `{name}` | {gamma} | {f['batches']} ({f['rows']}) | {f['algorithm']:.1e} | "
-                         f"{f['code_unequal']:.1e} | {f['code_equal']:.3f} ({f['equal_rows']}) | {noise['noise']:.3f} "
-                         f"(G = {noise['group_size']}, {noise['length']} steps) |")  # fmt: skip
+                         f"{f['code_unequal']:.1e} | {_size(f['code_equal'])} ({f['equal_rows']}) | {_size(noise['noise'])}"
+                         + (f" (G = {noise['group_size']}, {noise['length']} steps) |" if noise["group_size"] else " |"))  # fmt: skip
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """studies/oracle/graph_ends.py: how GraphGPO's failed episodes end, counted on a played rollout whose ends are
-known, and the scripted measurement at CI size; bench/reference_fidelity.py at CI size."""
+known, and the scripted measurement at CI size; bench/reference_fidelity.py at CI size (GraphGPO and BEACON)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,15 @@ def test_reference_fidelity_at_ci_size():
     assert all(f["algorithm"] < 1e-5 and f["code_unequal"] < 2e-4 for f in found.values())
     noise = reference_fidelity.equal_return_noise("graphgpo", 0.95, sizes=[15], lengths=[4])
     assert noise["noise"] == pytest.approx(0.641, abs=0.01)  # the float32 code's mean of 15 equal returns
+
+
+def test_reference_fidelity_beacon_at_ci_size():
+    """BEACON's row: bounds per unit of its run scripts' segment weights (10 at γ 0.9, 1 at γ 0.95)."""
+    from bench import reference_fidelity
+
+    found = reference_fidelity.measure("beacon", 8)
+    for gamma, f in found.items():
+        weight = reference_fidelity.BEACON_WEIGHTS[float(gamma)]
+        assert f["algorithm"] < 1e-5 * weight and f["code_unequal"] < 2e-4 * weight, (gamma, f)
+    noise = reference_fidelity.equal_return_noise("beacon", 0.9, sizes=[10], lengths=[3])
+    assert 0 < noise["noise"] < 1e-3  # segments pool 10·γ^d at every distance: no mean over equal values
