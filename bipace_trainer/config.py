@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import math
@@ -16,17 +15,22 @@ from envs.base import MILESTONE_KINDS, EnvUnavailableError, resolve_env_class
 from envs.surface import split_surface_kwargs
 from envs.vector import BACKENDS
 
-from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
+from .advantages import (
+    ESTIMATOR_FIELDS,
+    PARTITIONS,
+    PRESETS,
+    EstimatorOverrides,
+    EstimatorSettings,
+    SettingsError,
+    resolve_settings,
+)
 from .rollout.loop import ROLLOUT_MODES
 from .update.one_step import AGGREGATIONS
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
 _BIPACE = "https://arxiv.org/abs/2606.25556"
 DEFAULT_ENV = "textcraft"
-_GIGPO = "https://arxiv.org/abs/2505.10978"
-_HGPO = "https://arxiv.org/abs/2602.22817"
-_GRAPHGPO = "https://arxiv.org/abs/2605.26684"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
@@ -34,11 +38,6 @@ _PRESET_HELP = ", ".join(
     + (f", {values['step_baseline']} baseline)" if values.get("step_baseline") else ")")
     for name, values in PRESETS.items()
 )
-
-# The estimator's fields: `EstimatorSettings`' own names, which the config shares. Each defaults to
-# None here ("the preset's value"), so a preset, built in or registered, is honoured unless a recipe
-# or flag sets the field.
-ESTIMATOR_FIELDS = tuple(f.name for f in dataclasses.fields(EstimatorSettings))
 
 # The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
 FIELD_GROUPS = {
@@ -163,7 +162,7 @@ def batch_shape_fix(tasks: int, generations: int, per_device: int, world: int) -
 
 
 @dataclass
-class BiPACEConfig(GRPOConfig):
+class BiPACEConfig(EstimatorOverrides, GRPOConfig):
     r"""
     Configuration for [`BiPACETrainer`]: every field of TRL's `GRPOConfig`, plus:
 
@@ -171,49 +170,14 @@ class BiPACEConfig(GRPOConfig):
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q`, `graphgpo`,
-        `bigraphgpo`, `beacon` (or one added with
-        `bipace_trainer.advantages.register_preset`). Every estimator field below left at
-        `None` takes the preset's value (`ESTIMATOR_FIELDS`: each is the `EstimatorSettings`
-        field of the same name; the defaults in brackets are every built-in preset's).
-    step_partition (`str` or `None`): state partition, `none`, `hash`, `hidden` or `segment`, or one added
-        with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
-    step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff`, `gae` or `hierarchy`.
-    advantage_norm (`str` or `None`): `mean_std` or `mean`, for the episode term and the
-        `mean` baseline. pace_norm (`str` or `None`): the same for the PACE baselines.
-    pace_evidence, pace_variance_gate (`None` [0, False]): PACE-Q with evidence: Q̂(a) shrunk toward
-        V̂ by κ pseudo-counts, and each cell weighted by the share of its spread its actions explain
-        (ECPO's idea, https://arxiv.org/abs/2606.05885; docs/concepts/math.md#pace-evidence).
-    w_ep, w_step (`float` or `None`): weights of the episode and step terms.
-    step_gamma (`float` or `None` [0.95]): discount of step returns. gae_lambda (`float` or `None`): GAE λ.
-    invalid_action_penalty (`float` or `None` [0.1]): subtracted from an invalid step's return.
-    episode_stats (`str` or `None`): `trajectory`, or `steps` for GiGPO reference compatibility.
+        `bigraphgpo`, `beacon` (or one added with `bipace_trainer.advantages.register_preset`).
+    step_partition … pace_variance_gate (`ESTIMATOR_FIELDS`): the estimator's own knobs, inherited from
+        `EstimatorOverrides`: each is the `EstimatorSettings` field of the same name, documented there
+        (`bipace_trainer/advantages/settings.py`, with its help), and defaults to `None` here, which
+        takes the preset's value, so a preset, built in or registered, holds unless a recipe or a flag
+        sets the field. `importance_sampling_level` is also GRPOConfig's: None takes the preset's.
     cluster_layer (`int`, -8): hidden-state layer of the `hidden` partition, indexed like
         `output_hidden_states` (0 = embeddings, -1 = last layer after the final norm).
-    cluster_eps (`str` or `None` [`"auto"`]): cosine-distance threshold, a float or `auto`.
-    target_singleton_rate, max_cluster_eps, recalibrate_eps_every (`None` [0.2, 0.3, 0]): what
-        `auto` aims for, its cap, and how often it re-calibrates (0: once, on the first batch).
-    bootstrap_truncated (`bool` or `None` [False]): a trajectory the turn budget cut (`max_turns`)
-        bootstraps its last step from the value proxy instead of ending with return 0
-        (GiGPO's choice, the default); see `bipace_trainer.advantages.returns`.
-    context_levels (`int` or `None` [0; HGPO presets 2]): HGPO's K, nested context levels over the
-        partition: level k groups steps whose last k+1 cells agree (0: none). Set it to
-        `history_length`, the history the prompt shows (the public HGPO scripts: both 2).
-    level_baseline, level_alpha, level_weights, drop_zero_levels, base_group (`None` [`mean`, 1,
-        `k+2`, True, False]): the `hierarchy` baseline's per-level advantage, its level
-        weights w_k = (k+2)^α (`k+1`: the paper's formula), whether a level with advantage
-        exactly 0 leaves the weighted mean (the code: yes), and whether the episode
-        advantage joins it with weight 1 (see `bipace_trainer.advantages.baselines`).
-    step_return (`str` or `None` [`discounted`; GraphGPO presets `graph`; `beacon` `milestone`]): the
-        return the step baseline compares: `discounted` (r_t + γ R_{t+1}), `graph`, GraphGPO's 10·γ^d with d
-        the distance of the reached state to the goal on the task group's state graph (then
-        `step_gamma` is the graph's γ: 0.1 in the presets), or `milestone`, BEACON's 10·γ^k with k the
-        steps to the segment's milestone (the env's milestones: `envs.base`, "Milestones").
-        milestone_threshold (`None` [0.95]): the difflib ratio at which an action matches the next
-        milestone of a static plan (BEACON, https://arxiv.org/abs/2605.06078). normalize_distance,
-        similarity_merge, similarity_threshold (`None` [False, False, 0.95]): `graph` only: the
-        return 10·γ^{d(next) - d(state) + 1}; merge observations whose text similarity is at
-        least the threshold into one graph node (`hash` only); see
-        `bipace_trainer.advantages.graph`.
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
@@ -329,56 +293,15 @@ class BiPACEConfig(GRPOConfig):
         completions table with one row per env step.
     """
 
-    # Estimator
+    # Estimator: `preset` and the settings of the hidden capture; the estimator's knobs are
+    # `EstimatorOverrides`' (advantages/settings.py), inherited.
     preset: str = field(
         default="bipace_q",
         metadata={"help": f"Named estimator preset: {_PRESET_HELP}; or one added with register_preset. BiPACE: {_BIPACE}"},
     )
-    step_partition: str | None = field(default=None, metadata={"help": "State partition: none | hash | hidden."})
-    step_baseline: str | None = field(
-        default=None, metadata={"help": "Step baseline: mean | pace_q | pace_diff | gae | hierarchy."}
-    )
-    advantage_norm: str | None = field(
-        default=None, metadata={"help": f"mean_std | mean for the episode term and the mean baseline ({_GIGPO})."}
-    )
-    pace_norm: str | None = field(default=None, metadata={"help": "mean | mean_std for the PACE baselines."})
-    pace_evidence: float | None = field(
-        default=None,
-        metadata={"help": "PACE-Q: κ pseudo-counts pulling Q̂(a) to V̂ (0: off)."},
-    )
-    pace_variance_gate: bool | None = field(
-        default=None, metadata={"help": "PACE-Q: × the share of a cell's spread its actions explain."}
-    )
-    w_ep: float | None = field(default=None, metadata={"help": "Weight of the episode-level advantage."})
-    w_step: float | None = field(
-        default=None, metadata={"help": f"Weight of the step-level advantage (GiGPO's ω; {_GIGPO})."}
-    )
-    step_gamma: float | None = field(
-        default=None, metadata={"help": "Discount γ of step returns; None: the preset's (0.95, as the papers)."}
-    )
-    gae_lambda: float | None = field(default=None, metadata={"help": "GAE λ of the gae baseline (GAGPO)."})
-    invalid_action_penalty: float | None = field(
-        default=None,
-        metadata={"help": "Subtracted from an invalid step's return after discounting; None: the preset's (0.1, GiGPO)."},
-    )
-    episode_stats: str | None = field(
-        default=None, metadata={"help": "trajectory | steps (GiGPO reference compatibility)."}
-    )
     cluster_layer: int = field(
         default=-8,
         metadata={"help": f"Hidden layer for BiGPO clustering, output_hidden_states index (paper: -8 of 28 for 7B). {_BIPACE}"},
-    )
-    cluster_eps: str | None = field(
-        default=None, metadata={"help": "Cosine-distance threshold ε (float) or 'auto'; None: the preset's ('auto')."}
-    )
-    target_singleton_rate: float | None = field(
-        default=None, metadata={"help": "Singleton rate 'auto' calibrates ε to; None: the preset's (0.2)."}
-    )
-    max_cluster_eps: float | None = field(
-        default=None, metadata={"help": "Upper bound of the calibrated ε; None: the preset's (0.3)."}
-    )
-    recalibrate_eps_every: int | None = field(
-        default=None, metadata={"help": "Re-calibrate 'auto' ε every k steps (0: once); None: the preset's (0)."}
     )
     hidden_capture: str = field(
         default="hook",
@@ -390,56 +313,6 @@ class BiPACEConfig(GRPOConfig):
     capture_hidden_states: bool = field(
         default=False,
         metadata={"help": "Capture hidden states even if the partition ignores them (studies)."},
-    )
-    importance_sampling_level: str | None = field(
-        default=None,
-        metadata={"help": "token | sequence; None takes the preset's (sequence for GAGPO presets)."},
-    )
-    bootstrap_truncated: bool | None = field(
-        default=None,
-        metadata={
-            "help": "true: a trajectory cut by max_turns bootstraps its last step from the value proxy instead of "
-            "ending with return 0; None: the preset's (false, as GiGPO)."
-        },
-    )
-
-    context_levels: int | None = field(
-        default=None,
-        metadata={
-            "help": f"HGPO's K: context levels over the partition (0: none); None: the preset's (2 for HGPO presets). {_HGPO}"
-        },
-    )
-    level_baseline: str | None = field(
-        default=None, metadata={"help": "Per-level advantage of the hierarchy baseline: mean (HGPO) | pace_q | pace_diff."}
-    )
-    level_alpha: float | None = field(
-        default=None, metadata={"help": f"α of the level weights; None: the preset's (1, HGPO). {_HGPO}"}
-    )
-    level_weights: str | None = field(
-        default=None, metadata={"help": "k+2: w_k = (k+2)^α, verl-agent's code (default) | k+1: the paper's (k+1)^α."}
-    )
-    drop_zero_levels: bool | None = field(
-        default=None,
-        metadata={"help": "A level whose advantage is exactly 0 leaves the weighted mean (the code: true; the paper: false)."},
-    )
-    base_group: bool | None = field(
-        default=None, metadata={"help": "Add the episode advantage to the hierarchy's weighted mean with weight 1 (HGPO code)."}
-    )
-
-    step_return: str | None = field(
-        default=None,
-        metadata={"help": f"discounted | graph (GraphGPO {_GRAPHGPO}: 10·γ^d, d = distance to the goal on the group's graph)."},
-    )
-    normalize_distance: bool | None = field(
-        default=None, metadata={"help": "graph: 10·γ^(d(next) - d(state) + 1), the distance closed (GraphGPO: false)."}
-    )
-    similarity_merge: bool | None = field(
-        default=None, metadata={"help": "graph over hash: one node for texts of difflib ratio >= similarity_threshold."}
-    )
-    similarity_threshold: float | None = field(default=None, metadata={"help": "of similarity_merge (GraphGPO: 0.95)."})
-    milestone_threshold: float | None = field(
-        default=None,
-        metadata={"help": "difflib ratio matching an action to a plan's milestone (BEACON: 0.95)."},
     )
 
     # Rollout
