@@ -7,7 +7,7 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -419,15 +419,6 @@ class BiPACEConfig(EstimatorOverrides, GRPOConfig):
                 "weighted sum) to its steps; set multi_objective_aggregation='sum_then_normalize'."
             )
 
-    # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
-    # returns) skips the check that touches the machine (a GPU for bf16); it waits for the run.
-    printing_only: ClassVar[bool] = False
-
-    @classmethod
-    def for_printing(cls) -> type:
-        """This config's class with the machine check skipped: what `--print_config` parses into."""
-        return type(f"Printed{cls.__name__}", (cls,), {"printing_only": True, "__doc__": cls.__doc__})
-
     def __post_init__(self):
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             # TRL's convention: `--resume_from_checkpoint true` resumes from the latest checkpoint in output_dir.
@@ -463,9 +454,6 @@ class BiPACEConfig(EstimatorOverrides, GRPOConfig):
         # bf16 resolves as GRPOConfig resolves it (True unless fp16, also with use_cpu): a TRL script
         # switched to this class keeps its precision. A CPU without use_cpu refuses it, as transformers
         # does (below, in words that name the fix); `train.py` chooses float32 on a CPU itself.
-        precision = (self.bf16, self.fp16)
-        if self.printing_only:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
-            self.bf16 = self.fp16 = False
         try:
             super().__post_init__()
         except ValueError as err:
@@ -483,8 +471,6 @@ class BiPACEConfig(EstimatorOverrides, GRPOConfig):
                 + batch_shape_fix(self.tasks_per_iteration, self.num_generations, self.per_device_train_batch_size,
                                   self.world_size)
             ) from None
-        if self.printing_only:
-            self.bf16, self.fp16 = precision
         self._check_task_groups(ours)
 
     def _check_task_groups(self, ours: bool) -> None:
