@@ -255,6 +255,19 @@ class EstimatorSettings:
         choice("step_return", STEP_RETURNS)
         self._check_graph(fail, kind)
         self._check_milestones(fail)
+        self._check_finite(fail)
+
+    def _check_finite(self, fail) -> None:
+        """Every setting declared `float` is a finite number: NaN or infinity passes a check such as
+        `x < 0` and would crash at step 1, blamed on the env (the ranges above catch some first)."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            try:
+                finite = not isinstance(value, bool) and math.isfinite(float(value))
+            except (TypeError, ValueError):
+                finite = False
+            if not finite:
+                fail(name, "must be a finite number.")
 
     def _check_milestones(self, fail) -> None:
         """The combinations the milestone return does not have."""
@@ -310,6 +323,7 @@ class EstimatorSettings:
 
 # The settings' names, in declaration order: train.py's flags and `BiPACEConfig`'s fields.
 ESTIMATOR_FIELDS = tuple(f.name for f in dataclasses.fields(EstimatorSettings))
+_FLOAT_FIELDS = tuple(name for name, kind in typing.get_type_hints(EstimatorSettings).items() if kind is float)
 
 
 def _as_overrides(settings: type) -> type:
