@@ -41,14 +41,8 @@ _PRESET_HELP = ", ".join(
 
 # The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
 FIELD_GROUPS = {
-    "step-level advantage estimator": (
-        "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
-        "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
-        "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
-        "capture_hidden_states", "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
-        "level_weights", "drop_zero_levels", "base_group", "step_return", "normalize_distance", "similarity_merge",
-        "similarity_threshold", "milestone_threshold", "pace_evidence", "pace_variance_gate",
-    ),
+    # the preset, its knobs in `EstimatorSettings`' order, then the hidden-state capture the partition reads
+    "step-level advantage estimator": ("preset", *ESTIMATOR_FIELDS, "cluster_layer", "hidden_capture", "capture_hidden_states"),
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "max_turn_length", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
