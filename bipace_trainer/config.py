@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -16,17 +15,22 @@ from envs.base import MILESTONE_KINDS, EnvUnavailableError, resolve_env_class
 from envs.surface import split_surface_kwargs
 from envs.vector import BACKENDS
 
-from .advantages import PARTITIONS, PRESETS, EstimatorSettings, SettingsError, resolve_settings
+from .advantages import (
+    ESTIMATOR_FIELDS,
+    PARTITIONS,
+    PRESETS,
+    EstimatorOverrides,
+    EstimatorSettings,
+    SettingsError,
+    resolve_settings,
+)
 from .rollout.loop import ROLLOUT_MODES
 from .update.one_step import AGGREGATIONS
 
-__all__ = ["BiPACEConfig", "FIELD_GROUPS", "ESTIMATOR_FIELDS", "GRPO_FIELDS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
+__all__ = ["BiPACEConfig", "FIELD_GROUPS", "SCALE_REWARDS_NORM", "batch_shape_fix"]
 
 _BIPACE = "https://arxiv.org/abs/2606.25556"
 DEFAULT_ENV = "textcraft"
-_GIGPO = "https://arxiv.org/abs/2505.10978"
-_HGPO = "https://arxiv.org/abs/2602.22817"
-_GRAPHGPO = "https://arxiv.org/abs/2605.26684"
 
 # What each built-in preset is, for `--help` (the README's "Estimators" table has the rest).
 _PRESET_HELP = ", ".join(
@@ -35,21 +39,10 @@ _PRESET_HELP = ", ".join(
     for name, values in PRESETS.items()
 )
 
-# The estimator's fields: `EstimatorSettings`' own names, which the config shares. Each defaults to
-# None here ("the preset's value"), so a preset, built in or registered, is honoured unless a recipe
-# or flag sets the field.
-ESTIMATOR_FIELDS = tuple(f.name for f in dataclasses.fields(EstimatorSettings))
-
 # The fields BiPACEConfig adds to GRPOConfig, by topic: train.py's --help lists them first, under these headings.
 FIELD_GROUPS = {
-    "step-level advantage estimator": (
-        "preset", "step_partition", "step_baseline", "advantage_norm", "pace_norm", "w_ep", "w_step", "step_gamma",
-        "gae_lambda", "invalid_action_penalty", "episode_stats", "cluster_layer", "cluster_eps",
-        "target_singleton_rate", "max_cluster_eps", "recalibrate_eps_every", "hidden_capture",
-        "capture_hidden_states", "importance_sampling_level", "bootstrap_truncated", "context_levels", "level_baseline", "level_alpha",
-        "level_weights", "drop_zero_levels", "base_group", "step_return", "normalize_distance", "similarity_merge",
-        "similarity_threshold", "milestone_threshold", "pace_evidence", "pace_variance_gate",
-    ),
+    # the preset, its knobs in `EstimatorSettings`' order, then the hidden-state capture the partition reads
+    "step-level advantage estimator": ("preset", *ESTIMATOR_FIELDS, "cluster_layer", "hidden_capture", "capture_hidden_states"),
     "multi-turn rollout and evaluation": (
         "env_name", "env_kwargs", "max_turns", "max_turn_length", "history_length", "tasks_per_iteration", "train_split", "eval_split",
         "train_tasks", "eval_tasks", "eval_rollouts_per_task", "eval_interval", "evaluate_before_training",
@@ -66,66 +59,10 @@ FIELD_GROUPS = {
 # it is honoured on one-step episodes (plain prompts), refused on multi-turn ones (`trainer`).
 SCALE_REWARDS_NORM = {"group": "mean_std", "none": "mean"}
 
-_TRL = "TRL's code reads it unchanged"
-_GEN = "TRL's generation, every turn"
-_LOSS = "TRL's loss, over the step rows"
-# Every field GRPOConfig adds to transformers' TrainingArguments (whose own fields keep the Trainer's
-# meaning), and what BiPACETrainer does with it: ("honoured", how) or ("refused", why). Where a value
-# is refused only in some runs, the entry says when; tests/trl/test_trl_parity.py checks that this table
-# names every field of the installed GRPOConfig, so a field a TRL upgrade adds cannot pass unnoticed.
-GRPO_FIELDS: dict[str, tuple[str, str]] = {
-    **{name: ("honoured", _TRL + " (model loading)") for name in (
-        "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32")},
-    "router_aux_loss_coef": ("honoured", _LOSS),
-    "num_generations": ("honoured", "episodes per task group (G)"),
-    "num_generations_eval": ("honoured", "episodes per eval_dataset row in TRL's evaluate (eval_strategy)"),
-    "max_completion_length": ("honoured", "TRL's envs: the episode's whole completion (replies and tool results); "
-                              "env_name envs: each reply (their prompt is rebuilt every turn); max_turn_length caps a turn"),
-    "ds3_gather_for_generation": ("honoured", _GEN),
-    "shuffle_dataset": ("honoured", _TRL + " (the sampler)"),
-    "pad_to_multiple_of": ("honoured", _GEN),
-    "generation_batch_size": ("honoured", "rows (episodes) per generation, as TRL's schedule"),
-    "steps_per_generation": ("honoured", "optimizer steps per generation, as TRL's schedule"),
-    **{name: ("honoured", _GEN) for name in (
-        "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "repetition_penalty",
-        "cache_implementation", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
-        "use_transformers_paged")},
-    **{name: ("honoured", _GEN + " (vLLM)") for name in (
-        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
-    **{name: ("honoured", _LOSS) for name in (
-        "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
-        "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "loss_type", "top_entropy_quantile",
-        "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
-        "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl")},
-    "importance_sampling_level": ("honoured", _LOSS + "; None takes the preset's (sequence for GAGPO)"),
-    **{name: ("honoured", _TRL + " (the reference model's sync callback)") for name in (
-        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")},
-    "reward_weights": ("honoured", "weights of reward_funcs in the episode reward (TRL's envs and plain prompts); "
-                       "refused with env_name, whose env gives one reward of its own"),
-    "multi_objective_aggregation": ("honoured", "plain prompts (one-step episodes): TRL's advantage; 'normalize_then_sum' "
-                                    "is refused on multi-turn episodes: the step-level estimators credit one reward"),
-    "scale_rewards": ("honoured", "'group' / 'none' set advantage_norm 'mean_std' / 'mean' (SCALE_REWARDS_NORM); "
-                      "'batch': plain prompts only, refused on multi-turn episodes (no step-level batch std)"),
-    "mask_truncated_completions": ("honoured", "TRL's envs: every step of an episode cut by max_completion_length "
-                                   "leaves the loss; env_name envs: each reply cut by its cap"),
-    "max_tool_calling_iterations": ("honoured", "rounds of tool calls per episode (TRL's envs)"),
-    **{name: ("honoured", _TRL + " (vLLM importance sampling, per step row)") for name in (
-        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")},
-    "log_completions": ("honoured", "TRL's table, one row per step (prompt, completion, reward, advantage)"),
-    **{name: ("honoured", _TRL + " (the completions table)") for name in (
-        "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo")},
-}
 
-
-# Float settings that NaN or infinity would turn into a crash at step 1, blamed on the env.
-_FINITE_FIELDS = (
-    "w_ep", "w_step", "step_gamma", "gae_lambda", "invalid_action_penalty", "target_singleton_rate",
-    "max_cluster_eps", "eval_temperature", "env_step_timeout", "resample_max_seconds", "level_alpha",
-    "similarity_threshold", "milestone_threshold", "pace_evidence",
-)
+# Float settings that NaN or infinity would turn into a crash at step 1, blamed on the env (the
+# estimator's own: `EstimatorSettings` checks each it declares `float`).
+_FINITE_FIELDS = ("eval_temperature", "env_step_timeout", "resample_max_seconds")
 
 
 # Sizes (tokens, rows, passes) that must be >= 1 when set; None leaves TRL's default.
@@ -163,7 +100,7 @@ def batch_shape_fix(tasks: int, generations: int, per_device: int, world: int) -
 
 
 @dataclass
-class BiPACEConfig(GRPOConfig):
+class BiPACEConfig(EstimatorOverrides, GRPOConfig):
     r"""
     Configuration for [`BiPACETrainer`]: every field of TRL's `GRPOConfig`, plus:
 
@@ -171,49 +108,14 @@ class BiPACEConfig(GRPOConfig):
 
     preset (`str`, defaults to `"bipace_q"`): named estimator, one of `grpo`, `gigpo`,
         `bigpo`, `bipace_q`, `bipace_diff`, `gagpo`, `bigagpo`, `hgpo`, `bihgpo`, `bihpace_q`, `graphgpo`,
-        `bigraphgpo`, `beacon` (or one added with
-        `bipace_trainer.advantages.register_preset`). Every estimator field below left at
-        `None` takes the preset's value (`ESTIMATOR_FIELDS`: each is the `EstimatorSettings`
-        field of the same name; the defaults in brackets are every built-in preset's).
-    step_partition (`str` or `None`): state partition, `none`, `hash`, `hidden` or `segment`, or one added
-        with `bipace_trainer.advantages.register_partition` (or `package.module:NAME`).
-    step_baseline (`str` or `None`): step baseline, `mean`, `pace_q`, `pace_diff`, `gae` or `hierarchy`.
-    advantage_norm (`str` or `None`): `mean_std` or `mean`, for the episode term and the
-        `mean` baseline. pace_norm (`str` or `None`): the same for the PACE baselines.
-    pace_evidence, pace_variance_gate (`None` [0, False]): PACE-Q with evidence: Q̂(a) shrunk toward
-        V̂ by κ pseudo-counts, and each cell weighted by the share of its spread its actions explain
-        (ECPO's idea, https://arxiv.org/abs/2606.05885; docs/concepts/math.md#pace-evidence).
-    w_ep, w_step (`float` or `None`): weights of the episode and step terms.
-    step_gamma (`float` or `None` [0.95]): discount of step returns. gae_lambda (`float` or `None`): GAE λ.
-    invalid_action_penalty (`float` or `None` [0.1]): subtracted from an invalid step's return.
-    episode_stats (`str` or `None`): `trajectory`, or `steps` for GiGPO reference compatibility.
+        `bigraphgpo`, `beacon` (or one added with `bipace_trainer.advantages.register_preset`).
+    step_partition … pace_variance_gate (`ESTIMATOR_FIELDS`): the estimator's own knobs, inherited from
+        `EstimatorOverrides`: each is the `EstimatorSettings` field of the same name, documented there
+        (`bipace_trainer/advantages/settings.py`, with its help), and defaults to `None` here, which
+        takes the preset's value, so a preset, built in or registered, holds unless a recipe or a flag
+        sets the field. `importance_sampling_level` is also GRPOConfig's: None takes the preset's.
     cluster_layer (`int`, -8): hidden-state layer of the `hidden` partition, indexed like
         `output_hidden_states` (0 = embeddings, -1 = last layer after the final norm).
-    cluster_eps (`str` or `None` [`"auto"`]): cosine-distance threshold, a float or `auto`.
-    target_singleton_rate, max_cluster_eps, recalibrate_eps_every (`None` [0.2, 0.3, 0]): what
-        `auto` aims for, its cap, and how often it re-calibrates (0: once, on the first batch).
-    bootstrap_truncated (`bool` or `None` [False]): a trajectory the turn budget cut (`max_turns`)
-        bootstraps its last step from the value proxy instead of ending with return 0
-        (GiGPO's choice, the default); see `bipace_trainer.advantages.returns`.
-    context_levels (`int` or `None` [0; HGPO presets 2]): HGPO's K, nested context levels over the
-        partition: level k groups steps whose last k+1 cells agree (0: none). Set it to
-        `history_length`, the history the prompt shows (the public HGPO scripts: both 2).
-    level_baseline, level_alpha, level_weights, drop_zero_levels, base_group (`None` [`mean`, 1,
-        `k+2`, True, False]): the `hierarchy` baseline's per-level advantage, its level
-        weights w_k = (k+2)^α (`k+1`: the paper's formula), whether a level with advantage
-        exactly 0 leaves the weighted mean (the code: yes), and whether the episode
-        advantage joins it with weight 1 (see `bipace_trainer.advantages.baselines`).
-    step_return (`str` or `None` [`discounted`; GraphGPO presets `graph`; `beacon` `milestone`]): the
-        return the step baseline compares: `discounted` (r_t + γ R_{t+1}), `graph`, GraphGPO's 10·γ^d with d
-        the distance of the reached state to the goal on the task group's state graph (then
-        `step_gamma` is the graph's γ: 0.1 in the presets), or `milestone`, BEACON's 10·γ^k with k the
-        steps to the segment's milestone (the env's milestones: `envs.base`, "Milestones").
-        milestone_threshold (`None` [0.95]): the difflib ratio at which an action matches the next
-        milestone of a static plan (BEACON, https://arxiv.org/abs/2605.06078). normalize_distance,
-        similarity_merge, similarity_threshold (`None` [False, False, 0.95]): `graph` only: the
-        return 10·γ^{d(next) - d(state) + 1}; merge observations whose text similarity is at
-        least the threshold into one graph node (`hash` only); see
-        `bipace_trainer.advantages.graph`.
     hidden_capture (`str`, `"hook"`): `hook` records the hidden state during a forward pass
         that runs anyway (generation's prefill; under vLLM, the old-logprob pass over the
         batch); `forward` runs one extra no-grad forward pass over the prompts.
@@ -329,56 +231,15 @@ class BiPACEConfig(GRPOConfig):
         completions table with one row per env step.
     """
 
-    # Estimator
+    # Estimator: `preset` and the settings of the hidden capture; the estimator's knobs are
+    # `EstimatorOverrides`' (advantages/settings.py), inherited.
     preset: str = field(
         default="bipace_q",
         metadata={"help": f"Named estimator preset: {_PRESET_HELP}; or one added with register_preset. BiPACE: {_BIPACE}"},
     )
-    step_partition: str | None = field(default=None, metadata={"help": "State partition: none | hash | hidden."})
-    step_baseline: str | None = field(
-        default=None, metadata={"help": "Step baseline: mean | pace_q | pace_diff | gae | hierarchy."}
-    )
-    advantage_norm: str | None = field(
-        default=None, metadata={"help": f"mean_std | mean for the episode term and the mean baseline ({_GIGPO})."}
-    )
-    pace_norm: str | None = field(default=None, metadata={"help": "mean | mean_std for the PACE baselines."})
-    pace_evidence: float | None = field(
-        default=None,
-        metadata={"help": "PACE-Q: κ pseudo-counts pulling Q̂(a) to V̂ (0: off)."},
-    )
-    pace_variance_gate: bool | None = field(
-        default=None, metadata={"help": "PACE-Q: × the share of a cell's spread its actions explain."}
-    )
-    w_ep: float | None = field(default=None, metadata={"help": "Weight of the episode-level advantage."})
-    w_step: float | None = field(
-        default=None, metadata={"help": f"Weight of the step-level advantage (GiGPO's ω; {_GIGPO})."}
-    )
-    step_gamma: float | None = field(
-        default=None, metadata={"help": "Discount γ of step returns; None: the preset's (0.95, as the papers)."}
-    )
-    gae_lambda: float | None = field(default=None, metadata={"help": "GAE λ of the gae baseline (GAGPO)."})
-    invalid_action_penalty: float | None = field(
-        default=None,
-        metadata={"help": "Subtracted from an invalid step's return after discounting; None: the preset's (0.1, GiGPO)."},
-    )
-    episode_stats: str | None = field(
-        default=None, metadata={"help": "trajectory | steps (GiGPO reference compatibility)."}
-    )
     cluster_layer: int = field(
         default=-8,
         metadata={"help": f"Hidden layer for BiGPO clustering, output_hidden_states index (paper: -8 of 28 for 7B). {_BIPACE}"},
-    )
-    cluster_eps: str | None = field(
-        default=None, metadata={"help": "Cosine-distance threshold ε (float) or 'auto'; None: the preset's ('auto')."}
-    )
-    target_singleton_rate: float | None = field(
-        default=None, metadata={"help": "Singleton rate 'auto' calibrates ε to; None: the preset's (0.2)."}
-    )
-    max_cluster_eps: float | None = field(
-        default=None, metadata={"help": "Upper bound of the calibrated ε; None: the preset's (0.3)."}
-    )
-    recalibrate_eps_every: int | None = field(
-        default=None, metadata={"help": "Re-calibrate 'auto' ε every k steps (0: once); None: the preset's (0)."}
     )
     hidden_capture: str = field(
         default="hook",
@@ -390,56 +251,6 @@ class BiPACEConfig(GRPOConfig):
     capture_hidden_states: bool = field(
         default=False,
         metadata={"help": "Capture hidden states even if the partition ignores them (studies)."},
-    )
-    importance_sampling_level: str | None = field(
-        default=None,
-        metadata={"help": "token | sequence; None takes the preset's (sequence for GAGPO presets)."},
-    )
-    bootstrap_truncated: bool | None = field(
-        default=None,
-        metadata={
-            "help": "true: a trajectory cut by max_turns bootstraps its last step from the value proxy instead of "
-            "ending with return 0; None: the preset's (false, as GiGPO)."
-        },
-    )
-
-    context_levels: int | None = field(
-        default=None,
-        metadata={
-            "help": f"HGPO's K: context levels over the partition (0: none); None: the preset's (2 for HGPO presets). {_HGPO}"
-        },
-    )
-    level_baseline: str | None = field(
-        default=None, metadata={"help": "Per-level advantage of the hierarchy baseline: mean (HGPO) | pace_q | pace_diff."}
-    )
-    level_alpha: float | None = field(
-        default=None, metadata={"help": f"α of the level weights; None: the preset's (1, HGPO). {_HGPO}"}
-    )
-    level_weights: str | None = field(
-        default=None, metadata={"help": "k+2: w_k = (k+2)^α, verl-agent's code (default) | k+1: the paper's (k+1)^α."}
-    )
-    drop_zero_levels: bool | None = field(
-        default=None,
-        metadata={"help": "A level whose advantage is exactly 0 leaves the weighted mean (the code: true; the paper: false)."},
-    )
-    base_group: bool | None = field(
-        default=None, metadata={"help": "Add the episode advantage to the hierarchy's weighted mean with weight 1 (HGPO code)."}
-    )
-
-    step_return: str | None = field(
-        default=None,
-        metadata={"help": f"discounted | graph (GraphGPO {_GRAPHGPO}: 10·γ^d, d = distance to the goal on the group's graph)."},
-    )
-    normalize_distance: bool | None = field(
-        default=None, metadata={"help": "graph: 10·γ^(d(next) - d(state) + 1), the distance closed (GraphGPO: false)."}
-    )
-    similarity_merge: bool | None = field(
-        default=None, metadata={"help": "graph over hash: one node for texts of difflib ratio >= similarity_threshold."}
-    )
-    similarity_threshold: float | None = field(default=None, metadata={"help": "of similarity_merge (GraphGPO: 0.95)."})
-    milestone_threshold: float | None = field(
-        default=None,
-        metadata={"help": "difflib ratio matching an action to a plan's milestone (BEACON: 0.95)."},
     )
 
     # Rollout
@@ -582,7 +393,7 @@ class BiPACEConfig(GRPOConfig):
 
     def _check_multi_turn_reward_settings(self, one_step: bool) -> None:
         """TRL's reward settings that have no step-level form: honoured on one-step episodes (plain prompts,
-        `update.one_step`), refused on multi-turn ones (`GRPO_FIELDS`)."""
+        `update.one_step`), refused on multi-turn ones (`trl_compat.GRPO_FIELDS`)."""
         if self.multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} must be one of {AGGREGATIONS}.")
         if one_step:
@@ -598,15 +409,6 @@ class BiPACEConfig(GRPOConfig):
                 "within its group before summing, but the step-level estimators credit one reward per episode (the "
                 "weighted sum) to its steps; set multi_objective_aggregation='sum_then_normalize'."
             )
-
-    # Not a field: a config built to be printed (`train.py --print_config`, the class `for_printing()`
-    # returns) skips the check that touches the machine (a GPU for bf16); it waits for the run.
-    printing_only: ClassVar[bool] = False
-
-    @classmethod
-    def for_printing(cls) -> type:
-        """This config's class with the machine check skipped: what `--print_config` parses into."""
-        return type(f"Printed{cls.__name__}", (cls,), {"printing_only": True, "__doc__": cls.__doc__})
 
     def __post_init__(self):
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
@@ -643,9 +445,6 @@ class BiPACEConfig(GRPOConfig):
         # bf16 resolves as GRPOConfig resolves it (True unless fp16, also with use_cpu): a TRL script
         # switched to this class keeps its precision. A CPU without use_cpu refuses it, as transformers
         # does (below, in words that name the fix); `train.py` chooses float32 on a CPU itself.
-        precision = (self.bf16, self.fp16)
-        if self.printing_only:  # transformers refuses bf16 on a machine without a GPU; the printed recipe keeps it
-            self.bf16 = self.fp16 = False
         try:
             super().__post_init__()
         except ValueError as err:
@@ -663,8 +462,6 @@ class BiPACEConfig(GRPOConfig):
                 + batch_shape_fix(self.tasks_per_iteration, self.num_generations, self.per_device_train_batch_size,
                                   self.world_size)
             ) from None
-        if self.printing_only:
-            self.bf16, self.fp16 = precision
         self._check_task_groups(ours)
 
     def _check_task_groups(self, ours: bool) -> None:

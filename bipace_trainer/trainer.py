@@ -12,7 +12,7 @@ prefix is forwarded once in TRL's log-prob passes (`update/shared_prefix.py`). G
 A plain prompt dataset with `reward_funcs` is a set of one-step episodes, trained with GRPOTrainer's
 own advantage (`update.one_step`); TRL's `evaluate` (`eval_dataset`, `eval_strategy`) plays and scores
 its rows as a training batch (`_eval_batch`). What the trainer does with each GRPOConfig field is
-`config.GRPO_FIELDS`; docs/tutorials/coming-from-trl.md says it for users.
+`trl_compat.GRPO_FIELDS`; docs/tutorials/coming-from-trl.md says it for users.
 """
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ it reads, calls or overrides without changing it, and each private behaviour it 
 files that do it, the versions checked, why). `verify_ledger` resolves every name in the installed
 libraries when a trainer is built (and in `bipace-train`'s pre-flight), before any model loads: a
 missing one is one line naming it and its entry. Outside `bipace_trainer/update/` and this module no
-code reaches a private name of these libraries (tests/update/test_ledger.py, on the source).
+code reaches a private name of these libraries (tests/update/test_ledger.py, on the source). Beside
+them, the public half: `GRPO_FIELDS`, what the trainer does with each field of TRL's `GRPOConfig`
+(honoured, how, or refused, why; tests/trl/test_trl_parity.py checks it names every field).
 
 A multi-turn trainer needs a few things TRL's single-turn GRPO has no seam for. Each one is a
 `Patch` in `PATCHES`: what it touches, why, and the versions it was written and tested against.
@@ -52,6 +54,7 @@ __all__ = [
     "Borrowed",
     "BORROWED",
     "LEDGER",
+    "GRPO_FIELDS",
     "LedgerError",
     "verify_ledger",
     "check_versions",
@@ -331,6 +334,63 @@ def check_versions(versions: Callable[[tuple[str, ...]], str | None] = installed
 # ---------------------------------------------------------------------- the ledger, verified when a trainer is built
 
 LEDGER: dict[str, Patch] = {**PATCHES, **BORROWED}
+
+
+# ---------------------------------------------------------------------- TRL's public config: GRPOConfig's fields
+
+_TRL = "TRL's code reads it unchanged"
+_GEN = "TRL's generation, every turn"
+_LOSS = "TRL's loss, over the step rows"
+# Every field GRPOConfig adds to transformers' TrainingArguments (whose own fields keep the Trainer's
+# meaning), and what BiPACETrainer does with it: ("honoured", how) or ("refused", why). Where a value
+# is refused only in some runs, the entry says when (the checks: `config.BiPACEConfig`).
+# tests/trl/test_trl_parity.py checks that this table names every field of the installed GRPOConfig,
+# so a field a TRL upgrade adds cannot pass unnoticed; docs/tutorials/coming-from-trl.md says it for users.
+GRPO_FIELDS: dict[str, tuple[str, str]] = {
+    **{name: ("honoured", _TRL + " (model loading)") for name in (
+        "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32")},
+    "router_aux_loss_coef": ("honoured", _LOSS),
+    "num_generations": ("honoured", "episodes per task group (G)"),
+    "num_generations_eval": ("honoured", "episodes per eval_dataset row in TRL's evaluate (eval_strategy)"),
+    "max_completion_length": ("honoured", "TRL's envs: the episode's whole completion (replies and tool results); "
+                              "env_name envs: each reply (their prompt is rebuilt every turn); max_turn_length caps a turn"),
+    "ds3_gather_for_generation": ("honoured", _GEN),
+    "shuffle_dataset": ("honoured", _TRL + " (the sampler)"),
+    "pad_to_multiple_of": ("honoured", _GEN),
+    "generation_batch_size": ("honoured", "rows (episodes) per generation, as TRL's schedule"),
+    "steps_per_generation": ("honoured", "optimizer steps per generation, as TRL's schedule"),
+    **{name: ("honoured", _GEN) for name in (
+        "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs", "repetition_penalty",
+        "cache_implementation", "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+        "use_transformers_paged")},
+    **{name: ("honoured", _GEN + " (vLLM)") for name in (
+        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
+    **{name: ("honoured", _LOSS) for name in (
+        "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
+        "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "loss_type", "top_entropy_quantile",
+        "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+        "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl")},
+    "importance_sampling_level": ("honoured", _LOSS + "; None takes the preset's (sequence for GAGPO)"),
+    **{name: ("honoured", _TRL + " (the reference model's sync callback)") for name in (
+        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")},
+    "reward_weights": ("honoured", "weights of reward_funcs in the episode reward (TRL's envs and plain prompts); "
+                       "refused with env_name, whose env gives one reward of its own"),
+    "multi_objective_aggregation": ("honoured", "plain prompts (one-step episodes): TRL's advantage; 'normalize_then_sum' "
+                                    "is refused on multi-turn episodes: the step-level estimators credit one reward"),
+    "scale_rewards": ("honoured", "'group' / 'none' set advantage_norm 'mean_std' / 'mean' (SCALE_REWARDS_NORM); "
+                      "'batch': plain prompts only, refused on multi-turn episodes (no step-level batch std)"),
+    "mask_truncated_completions": ("honoured", "TRL's envs: every step of an episode cut by max_completion_length "
+                                   "leaves the loss; env_name envs: each reply cut by its cap"),
+    "max_tool_calling_iterations": ("honoured", "rounds of tool calls per episode (TRL's envs)"),
+    **{name: ("honoured", _TRL + " (vLLM importance sampling, per step row)") for name in (
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")},
+    "log_completions": ("honoured", "TRL's table, one row per step (prompt, completion, reward, advantage)"),
+    **{name: ("honoured", _TRL + " (the completions table)") for name in (
+        "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo")},
+}
 
 
 class LedgerError(ImportError):

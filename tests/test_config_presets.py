@@ -1,15 +1,18 @@
-"""`BiPACEConfig` and the estimator settings share their names (`ESTIMATOR_FIELDS`): every
-setting is the config field of the same name, a preset's value holds unless a recipe or flag sets
-the field, and a bad value names the config field and the fix."""
+"""Each estimator setting is declared once (`EstimatorSettings`: name, type, default, help) and
+`BiPACEConfig` inherits it as the field of the same name (`EstimatorOverrides`, None = the preset's):
+a preset's value holds unless a recipe or flag sets the field, and a bad value names the config
+field and the fix."""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
 from bipace_trainer import BiPACEConfig
 from bipace_trainer.advantages import (
+    ESTIMATOR_FIELDS,
     PARTITIONS,
     PRESETS,
     EstimatorSettings,
@@ -18,7 +21,7 @@ from bipace_trainer.advantages import (
     register_preset,
     resolve_settings,
 )
-from bipace_trainer.config import ESTIMATOR_FIELDS, FIELD_GROUPS
+from bipace_trainer.config import FIELD_GROUPS
 
 BASE = dict(output_dir="unused", use_cpu=True, env_name="tiny")
 
@@ -37,13 +40,23 @@ NOT_A_DEFAULT = {
 }
 
 
-def test_every_estimator_setting_is_the_config_field_of_the_same_name():
-    settings = {f.name for f in dataclasses.fields(EstimatorSettings)}
-    assert sorted(ESTIMATOR_FIELDS) == sorted(settings)
-    config_fields = {f.name for f in dataclasses.fields(BiPACEConfig)}
-    assert set(ESTIMATOR_FIELDS) <= config_fields
-    grouped = set(FIELD_GROUPS["step-level advantage estimator"])
-    assert set(ESTIMATOR_FIELDS) <= grouped  # train.py --help lists each under the estimator heading
+def test_every_estimator_setting_is_the_config_field_of_the_same_name_type_and_help():
+    settings = dataclasses.fields(EstimatorSettings)
+    assert ESTIMATOR_FIELDS == tuple(setting.name for setting in settings)
+    config_fields = {f.name: f for f in dataclasses.fields(BiPACEConfig)}
+    # annotations, not `Field.type`: building a parser rewrites `Field.type` in place (HfArgumentParser)
+    setting_types, config_types = typing.get_type_hints(EstimatorSettings), typing.get_type_hints(BiPACEConfig)
+    for setting in settings:
+        assert config_fields[setting.name].metadata["help"] == setting.metadata["help"], setting.name
+        assert config_types[setting.name] == setting_types[setting.name] | None, setting.name
+
+
+def test_every_field_the_config_adds_to_grpo_config_has_one_heading_in_train_py_help():
+    from trl import GRPOConfig
+
+    added = {f.name for f in dataclasses.fields(BiPACEConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    grouped = [name for names in FIELD_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(added | {"importance_sampling_level"})  # GRPOConfig's, its default now the preset's
 
 
 def test_every_estimator_field_defaults_to_the_presets_value():

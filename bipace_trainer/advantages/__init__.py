@@ -22,7 +22,8 @@ Map from the equations (docs/concepts/math.md, by section anchor) to code:
     #milestones            BEACON: milestones.match_milestones and with_plan_flags (a plan made
                            flags), partition.segment_partition (axis 1), milestones.milestone_returns
                            (axis 3, step_return="milestone")
-    #combination, #presets presets.PRESETS, presets.resolve_settings,
+    #combination, #presets settings.EstimatorSettings (every knob, declared once with its flag's help;
+                           settings.EstimatorOverrides: the config's form), presets.PRESETS, presets.resolve_settings,
                            presets.compute_advantages, presets.StepAdvantageEstimator
                            (the one owner of "auto" ε and its fallback: eps_in_use)
     #diagnostics           the dict returned by compute_advantages; per step (return,
@@ -49,8 +50,6 @@ from .partition import (
 )
 from .presets import (
     PRESETS,
-    EstimatorSettings,
-    SettingsError,
     StepAdvantageEstimator,
     StepEstimate,
     compute_advantages,
@@ -60,13 +59,16 @@ from .presets import (
 )
 from .records import BatchLayout, StepBatch, factorize
 from .returns import episode_advantage, episode_returns, step_returns, truncation_value
+from .settings import ESTIMATOR_FIELDS, EstimatorOverrides, EstimatorSettings, SettingsError
 
 __all__ = [
     "BASELINES",
+    "ESTIMATOR_FIELDS",
     "PARTITIONS",
     "PRESETS",
     "BatchLayout",
     "LevelledPartition",
+    "EstimatorOverrides",
     "EstimatorSettings",
     "Partition",
     "PartitionKind",

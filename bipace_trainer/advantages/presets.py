@@ -25,14 +25,14 @@ of defaults over these knobs (step return discounted unless said):
 
 Every knob stays settable: `resolve_settings("gigpo", advantage_norm="mean")` is GiGPO without
 the std, as in its WebShop ablation. New values are registrations, not edits:
-`partition.register_partition`, `baselines.BASELINES`, `register_preset`.
+`partition.register_partition`, `baselines.BASELINES`, `register_preset`. The knobs themselves
+(each declared once, with its flag's help) are `settings.EstimatorSettings`.
 `StepAdvantageEstimator` is the one owner of ε for a partition that takes one ("auto":
 calibrated, held, its fallback `max_cluster_eps` until then; `eps_in_use`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import weakref
@@ -41,20 +41,13 @@ from typing import Any, Callable
 
 import torch
 
-from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, LEVEL_BASELINES, GaeTerms, LevelDetail
+from .baselines import BASELINES, BRANCH_LOO, BRANCH_PACE, BRANCH_SINGLETON, GaeTerms, LevelDetail
 from .graph import TransitionGraph, following_labels, graph_returns, known_state_cells, similar_labels, transition_graph
 from .milestones import milestone_returns, with_plan_flags
-from .partition import (
-    PARTITIONS,
-    LevelledPartition,
-    Partition,
-    PartitionKind,
-    bisect_eps,
-    context_partition,
-    resolve_partition,
-)
+from .partition import LevelledPartition, Partition, bisect_eps, context_partition
 from .records import BatchLayout, StepBatch
 from .returns import discounted_cumsum, episode_advantage, episode_returns, step_returns, truncation_value
+from .settings import ESTIMATOR_FIELDS, LEVEL_WEIGHT_OFFSETS, EstimatorSettings, SettingsError
 
 __all__ = [
     "EstimatorSettings",
@@ -67,229 +60,6 @@ __all__ = [
     "StepEstimate",
     "StepAdvantageEstimator",
 ]
-
-NORMS = ("mean", "mean_std")
-STEP_RETURNS = ("discounted", "graph", "milestone")
-LEVEL_WEIGHT_OFFSETS = {"k+2": 2, "k+1": 1}  # verl-agent's code, the HGPO paper
-
-
-class SettingsError(ValueError):
-    """A bad estimator setting; `field` is the `EstimatorSettings` field it names (a `BiPACEConfig`
-    field of the same name)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-@dataclass
-class EstimatorSettings:
-    """Every knob of the step-level advantage estimator (the equations: docs/concepts/math.md).
-
-    Attributes:
-    The names are `BiPACEConfig`'s (and train.py's flags): the config builds these settings by name.
-
-        step_partition: state partition, a name in `partition.PARTITIONS` ("none" | "hash" |
-            "hidden" built in) or "package.module:NAME" of a `PartitionKind`.
-        step_baseline: step baseline, "mean" | "pace_q" | "pace_diff" | "gae" | "hierarchy"; None iff
-            the partition has no cells ("none").
-        advantage_norm: "mean_std" or "mean", for A^ep and the `mean` baseline.
-        pace_norm: "mean" (default; the BiPACE paper does not publish a std) or
-            "mean_std", for the PACE baselines.
-        w_ep, w_step: weights of the episode and step terms.
-        step_gamma: discount of step returns. gae_lambda: GAE λ (the `gae` baseline).
-        invalid_action_penalty: subtracted from an invalid step's return after discounting.
-        episode_stats: "trajectory" (A^ep over the G trajectories) or "steps"
-            (GiGPO reference compatibility: over step rows).
-        cluster_eps: cosine-distance threshold of a partition that takes ε (`hidden`),
-            a float in [0, 2] (a string such as "0.10" is parsed here) or "auto".
-        target_singleton_rate, max_cluster_eps: what "auto" aims for and its cap.
-        recalibrate_eps_every: with "auto", re-calibrate ε every this many calls (0: never).
-        importance_sampling_level: "token" or "sequence" (GAGPO); read by the trainer
-            (docs/concepts/math.md#importance-ratio).
-        bootstrap_truncated: False (GiGPO's behaviour): a trajectory cut by the turn
-            budget ends with R_L = 0, as if the env had ended it. True: its last step
-            bootstraps from the value proxy, R_L = V̄(s_{L-1}) (`returns.truncation_value`).
-
-        HGPO (docs/concepts/math.md#hgpo; arXiv 2602.22817, verl-agent `recipe/hgpo/core_hgpo.py`):
-        context_levels: K, previous steps a context compares (`partition.context_partition`
-            over the partition above); 0: the flat partition. With a one-level baseline the
-            cells are the deepest level (steps whose K-step context agrees).
-        level_baseline: the advantage of each level under `step_baseline="hierarchy"`: "mean"
-            (HGPO, population std under mean_std), "pace_q" or "pace_diff".
-        level_alpha: α of the level weights. level_weights: "k+2" (w_k = (k+2)^α, the code
-            that produced the published numbers) or "k+1" (the paper's formula).
-        drop_zero_levels: True (the code): a level whose advantage is exactly 0 leaves the
-            weighted mean; False (the paper): it stays in with its weight.
-        base_group: add the episode advantage (`advantage_norm`, `episode_stats`) as one more item
-            of weight 1 (the code's `base_group`, off by default); `w_ep` stays separate.
-
-        Step return (docs/concepts/estimators.md, "Step return"; GraphGPO: arXiv 2605.26684,
-        verl-agent `recipe/GraphGPO/core_graph.py`):
-        step_return: "discounted" (R_t = r_t + γ R_{t+1}: GiGPO, HGPO, PACE, GAE) or "graph"
-            (R_t = 10 γ^d, d the distance of the reached state to the goal on the group's
-            state-transition graph over the partition's cells: `graph`). With "graph", γ is
-            the graph's decay (GraphGPO: 0.1 on ALFWorld, 0.2 on WebShop).
-        normalize_distance: "graph" only; R_t = 10 γ^{d(s_{t+1}) - d(s_t) + 1}, the distance closed.
-        similarity_merge, similarity_threshold: "graph" over `hash` only; observations whose
-            `difflib` ratio is >= the threshold are one graph node (`graph.similar_labels`);
-            the baseline's cells stay the exact anchors, as in the reference.
-
-        BEACON (docs/concepts/math.md#milestones; arXiv 2605.06078, ZJU-REAL/BEACON `migpo/core_migpo.py`):
-        step_return="milestone": R_t = 10 γ^(next(t) - t), next(t) the step that reached the next
-            milestone, 0 after the last (`milestones`); its usual cells are `step_partition="segment"`.
-        milestone_threshold: the difflib ratio at which an action matches the next milestone of
-            a static plan (`milestones.match_milestones`; BEACON's scripts: 0.95).
-
-        PACE with evidence (docs/concepts/math.md#pace-evidence; ECPO's idea, arXiv 2606.05885):
-        pace_evidence: κ >= 0; PACE-Q's Q̂(a) is shrunk toward V̂ by κ pseudo-counts, so its
-            branch is n_a / (n_a + κ) · (Q̂(a) - V̂) (0: plain PACE-Q). Read by `pace_q` only
-            (also as the hierarchy's level baseline).
-        pace_variance_gate: PACE-Q's branch × the share of the cell's return spread that its
-            actions explain (SS_between / SS_total).
-    """
-
-    step_partition: str = "hidden"
-    step_baseline: str | None = "pace_q"
-    advantage_norm: str = "mean_std"
-    pace_norm: str = "mean"
-    w_ep: float = 1.0
-    w_step: float = 1.0
-    step_gamma: float = 0.95
-    gae_lambda: float = 0.95
-    invalid_action_penalty: float = 0.1
-    episode_stats: str = "trajectory"
-    cluster_eps: float | str = "auto"
-    target_singleton_rate: float = 0.2
-    max_cluster_eps: float = 0.3
-    recalibrate_eps_every: int = 0
-    importance_sampling_level: str = "token"
-    bootstrap_truncated: bool = False
-    context_levels: int = 0
-    level_baseline: str = "mean"
-    level_alpha: float = 1.0
-    level_weights: str = "k+2"
-    drop_zero_levels: bool = True
-    base_group: bool = False
-    step_return: str = "discounted"
-    normalize_distance: bool = False
-    similarity_merge: bool = False
-    similarity_threshold: float = 0.95
-    milestone_threshold: float = 0.95
-    pace_evidence: float = 0.0
-    pace_variance_gate: bool = False
-
-    def __post_init__(self):
-        def fail(name, message):
-            raise SettingsError(name, f"{name}={getattr(self, name)!r} {message}")
-
-        def choice(name, allowed):
-            if getattr(self, name) not in allowed:
-                fail(name, f"is not one of {allowed}.")
-
-        try:
-            kind = resolve_partition(self.step_partition)
-        except ValueError as err:
-            raise SettingsError("step_partition", str(err)) from None
-        choice("advantage_norm", NORMS)
-        choice("pace_norm", NORMS)
-        choice("episode_stats", ("trajectory", "steps"))
-        choice("importance_sampling_level", ("token", "sequence"))
-        if not kind.has_cells and self.step_baseline is not None:
-            with_cells = " or ".join(repr(name) for name, entry in PARTITIONS.items() if entry.has_cells)
-            fail(
-                "step_baseline",
-                f"has no effect with step_partition={self.step_partition!r} (no step-level cells); "
-                f"set step_baseline=None, or pick step_partition={with_cells}.",
-            )
-        if kind.has_cells:
-            choice("step_baseline", tuple(BASELINES))
-        if not 0.0 <= self.step_gamma <= 1.0:
-            fail("step_gamma", "must lie in [0, 1].")
-        if not 0.0 <= self.gae_lambda <= 1.0:
-            fail("gae_lambda", "must lie in [0, 1].")
-        if self.invalid_action_penalty < 0:
-            fail("invalid_action_penalty", "must be >= 0 (it is subtracted).")
-        if isinstance(self.cluster_eps, str) and self.cluster_eps != "auto":
-            try:
-                self.cluster_eps = float(self.cluster_eps)
-            except ValueError:
-                fail("cluster_eps", "is not a number: give a float in [0, 2] or 'auto'.")
-        if not isinstance(self.cluster_eps, str) and not 0.0 <= self.cluster_eps <= 2.0:
-            fail("cluster_eps", "must lie in [0, 2] (a cosine distance) or be 'auto'.")
-        if not 0.0 <= self.target_singleton_rate <= 1.0:
-            fail("target_singleton_rate", "must lie in [0, 1].")
-        if not 0.0 < self.max_cluster_eps <= 2.0:
-            fail("max_cluster_eps", "must lie in (0, 2].")
-        if self.recalibrate_eps_every < 0:
-            fail("recalibrate_eps_every", "must be >= 0 (0 = calibrate once).")
-        if not isinstance(self.bootstrap_truncated, bool):
-            fail("bootstrap_truncated", "must be True or False.")
-        if isinstance(self.context_levels, bool) or not isinstance(self.context_levels, int) or self.context_levels < 0:
-            fail("context_levels", "must be an integer >= 0 (K previous steps; 0 = no context levels).")
-        choice("level_baseline", tuple(LEVEL_BASELINES))
-        choice("level_weights", tuple(LEVEL_WEIGHT_OFFSETS))
-        if isinstance(self.level_alpha, bool) or not math.isfinite(float(self.level_alpha)):
-            fail("level_alpha", "must be a finite number (HGPO: 1).")
-        for name in ("drop_zero_levels", "base_group", "normalize_distance", "similarity_merge", "pace_variance_gate"):
-            if not isinstance(getattr(self, name), bool):
-                fail(name, "must be True or False.")
-        if isinstance(self.pace_evidence, bool) or not 0.0 <= float(self.pace_evidence) < math.inf:
-            fail("pace_evidence", "must be a finite number >= 0 (pseudo-counts; 0 = plain PACE-Q).")
-        choice("step_return", STEP_RETURNS)
-        self._check_graph(fail, kind)
-        self._check_milestones(fail)
-
-    def _check_milestones(self, fail) -> None:
-        """The combinations the milestone return does not have."""
-        if isinstance(self.milestone_threshold, bool) or not 0.0 < float(self.milestone_threshold) <= 1.0:
-            fail("milestone_threshold", "must lie in (0, 1] (a difflib ratio; BEACON: 0.95).")
-        if self.step_return != "milestone":
-            return
-        if self.step_baseline == "gae":
-            fail("step_return", "cannot be 'milestone' with step_baseline='gae' (GAE sums rewards; a milestone return is none).")
-        if self.bootstrap_truncated:
-            fail("bootstrap_truncated", "applies to step_return='discounted' only (a milestone return never bootstraps).")
-
-    def _check_graph(self, fail, kind) -> None:
-        """The combinations the graph return does not have."""
-        if isinstance(self.similarity_threshold, bool) or not 0.0 < float(self.similarity_threshold) <= 1.0:
-            fail("similarity_threshold", "must lie in (0, 1] (a difflib ratio; GraphGPO: 0.95).")
-        if self.step_return != "graph":
-            for name in ("normalize_distance", "similarity_merge"):
-                if getattr(self, name):
-                    fail(name, "applies to step_return='graph' only; set step_return='graph' or leave it False.")
-            return
-        if not kind.has_cells:
-            fail("step_return", f"needs a partition with cells (its graph's nodes), not step_partition={self.step_partition!r}.")
-        if self.step_baseline == "gae":
-            fail("step_return", "cannot be 'graph' with step_baseline='gae' (GAE sums rewards; a distance is no reward sum).")
-        if self.bootstrap_truncated:
-            fail("bootstrap_truncated", "applies to step_return='discounted' only (a graph return never bootstraps).")
-        if self.similarity_merge and self.step_partition != "hash":
-            fail("similarity_merge", "merges observation texts: use it with step_partition='hash'.")
-
-    @property
-    def partition_kind(self) -> PartitionKind:
-        """The `PartitionKind` that `partition` names."""
-        return resolve_partition(self.step_partition)
-
-    @property
-    def has_step_term(self) -> bool:
-        return self.partition_kind.has_cells and self.w_step != 0.0
-
-    @property
-    def uses_milestones(self) -> bool:
-        """The step term reads the env's milestones (the `segment` cells or the milestone return)."""
-        return self.has_step_term and ("milestone" in self.partition_kind.needs or self.step_return == "milestone")
-
-    @property
-    def rollout_needs(self) -> frozenset[str]:
-        """The `StepBatch` fields the step term reads: what the rollout must record beyond rewards
-        (the trainer captures hidden states iff "hidden", asks the envs for milestones iff "milestone")."""
-        if not self.has_step_term:
-            return frozenset()
-        return self.partition_kind.needs | ({"milestone"} if self.uses_milestones else set())
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -317,7 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def register_preset(name: str, **defaults: Any) -> None:
     """Add a named preset (a set of `EstimatorSettings` defaults)."""
-    unknown = set(defaults) - {f.name for f in dataclasses.fields(EstimatorSettings)}
+    unknown = set(defaults) - set(ESTIMATOR_FIELDS)
     if unknown:
         raise ValueError(f"Preset {name!r} sets unknown fields {sorted(unknown)}.")
     EstimatorSettings(**defaults)  # validate now, not at first use
@@ -325,18 +95,18 @@ def register_preset(name: str, **defaults: Any) -> None:
 
 
 def resolve_settings(preset: str = "bipace_q", **overrides: Any) -> EstimatorSettings:
-    """The preset's defaults with `overrides` on top; None-valued overrides are ignored.
+    """The preset's defaults with `overrides` on top; None-valued overrides are ignored (a config's
+    `EstimatorOverrides` fields pass here as they are: None = the preset's value).
 
     Raises `SettingsError` (a ValueError) naming the field on an unknown preset, unknown
     field, or a contradictory combination (e.g. preset "grpo" with step_baseline="mean").
     """
     if preset not in PRESETS:
         raise SettingsError("preset", f"preset={preset!r} is unknown; choose one of {sorted(PRESETS)}.")
-    fields = {f.name for f in dataclasses.fields(EstimatorSettings)}
-    unknown = set(overrides) - fields
+    unknown = set(overrides) - set(ESTIMATOR_FIELDS)
     if unknown:
         raise SettingsError(
-            sorted(unknown)[0], f"Unknown estimator setting(s) {sorted(unknown)}; valid: {sorted(fields)}."
+            sorted(unknown)[0], f"Unknown estimator setting(s) {sorted(unknown)}; valid: {sorted(ESTIMATOR_FIELDS)}."
         )
     values = {**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}}
     try:

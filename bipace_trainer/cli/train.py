@@ -451,10 +451,22 @@ def arrange_help(parser: TrlParser) -> TrlParser:
     return parser
 
 
+class PrintedConfig(BiPACEConfig):
+    """What `--print_config` parses into: a `BiPACEConfig` checked as it is, but on float32, since transformers
+    refuses bf16 on a machine without a GPU (a check of the machine, which waits for the run); the printed
+    recipe keeps the precision it asks for."""
+
+    def __post_init__(self):
+        precision = (self.bf16, self.fp16)
+        self.bf16 = self.fp16 = False
+        super().__post_init__()
+        self.bf16, self.fp16 = precision
+
+
 def make_parser(main_job: bool = True, env_name: str = "textcraft", printing: bool = False) -> TrlParser:
     """The script's parser; `main_job` puts MAIN_JOB_DEFAULTS (and `env_name`'s MAIN_JOB_ENV_KWARGS) under the flags;
-    `printing` parses into a config that is printed, not run (`BiPACEConfig.for_printing`)."""
-    config_class = BiPACEConfig.for_printing() if printing else BiPACEConfig
+    `printing` parses into a config that is printed, not run (`PrintedConfig`)."""
+    config_class = PrintedConfig if printing else BiPACEConfig
     parser = arrange_help(
         TrlParser((ScriptArguments, config_class, ModelConfig), usage=HELP_USAGE, description=HELP_DESCRIPTION)
     )

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from bipace_trainer.advantages import BatchLayout, compute_advantages, leader_cluster, partition, resolve_settings
-from bipace_trainer.advantages.presets import EstimatorSettings
+from bipace_trainer.advantages import EstimatorSettings
 
 from . import reference
 from .strategies import step_lists, to_batch

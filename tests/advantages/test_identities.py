@@ -20,7 +20,7 @@ from bipace_trainer.advantages import (
     step_returns,
 )
 from bipace_trainer.advantages.baselines import grouped_gae, mean_baseline, pace_q_baseline
-from bipace_trainer.advantages.presets import EstimatorSettings
+from bipace_trainer.advantages import EstimatorSettings
 
 from .strategies import PROTOTYPES, step_lists, to_batch
 

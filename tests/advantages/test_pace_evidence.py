@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bipace_trainer.advantages import compute_advantages, estimate_advantages, resolve_settings
-from bipace_trainer.advantages.presets import EstimatorSettings
+from bipace_trainer.advantages import EstimatorSettings
 
 from . import reference
 from .strategies import step_lists, to_batch

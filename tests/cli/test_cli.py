@@ -119,6 +119,15 @@ def test_on_a_cpu_train_py_decides_float32_itself_and_says_so_whatever_the_confi
     assert training_args.bf16 is True and script_args.precision is None  # asked for: the user's choice stands
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine check refuses bf16 only without a GPU")
+def test_a_printed_config_keeps_bf16_on_a_machine_that_would_refuse_to_train_in_it():
+    argv = ["--env", "tiny", "--bf16", "true"]
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        train.make_parser(main_job=False).parse_args_into_dataclasses(argv)
+    _, printed, _ = train.make_parser(main_job=False, printing=True).parse_args_into_dataclasses(argv)
+    assert isinstance(printed, train.BiPACEConfig) and (printed.bf16, printed.fp16) == (True, False)
+
+
 def test_a_batch_shape_refusal_names_the_one_flag_that_fixes_it_first():
     from bipace_trainer.config import batch_shape_fix
 

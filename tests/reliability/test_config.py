@@ -40,7 +40,7 @@ class NotAnEnv:
         (dict(invalid_action_penalty=float("nan")), "invalid_action_penalty", "finite number"),
         (dict(w_ep=float("nan")), "w_ep", "finite number"),
         (dict(w_step=float("inf")), "w_step", "finite number"),
-        (dict(step_gamma=float("nan")), "step_gamma", "finite number"),
+        (dict(step_gamma=float("nan")), "step_gamma", r"\[0, 1\]"),  # NaN fails the range, checked first
         (dict(env_kwargs="[1, 2]"), "env_kwargs", "JSON object"),
         (dict(env_kwargs='{"size": 4, "sise": 4}'), "env_kwargs", "unexpected keyword argument 'sise'.*fix the names"),
         (dict(env_name="tests.reliability.test_config:NotAnEnv"), "env_name", "not a subclass of envs.base.TextEnv"),

@@ -27,7 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.advantages import StepAdvantageEstimator, StepBatch
 from bipace_trainer.advantages.presets import estimate_advantages
-from bipace_trainer.config import GRPO_FIELDS
+from bipace_trainer.trl_compat import GRPO_FIELDS
 from bipace_trainer.rollout.loop import StepRecord
 from bipace_trainer.update.one_step import grpo_advantages
 from bipace_trainer.rollout.hidden import clamp_layer
@@ -342,7 +342,7 @@ def test_the_same_script_has_the_same_schedule_and_every_grpo_metric_under_bipac
 def test_every_grpo_config_field_is_in_the_table_of_what_bipace_does_with_it():
     trainers_own = {f.name for f in dataclasses.fields(TrainingArguments)}  # the Trainer's meaning, unchanged
     grpos_own = {f.name for f in dataclasses.fields(GRPOConfig)} - trainers_own
-    assert set(GRPO_FIELDS) == grpos_own, "a GRPOConfig field is missing from config.GRPO_FIELDS (or one is gone)"
+    assert set(GRPO_FIELDS) == grpos_own, "a GRPOConfig field is missing from trl_compat.GRPO_FIELDS (or one is gone)"
     assert all(verdict in ("honoured", "refused") and how.strip() for verdict, how in GRPO_FIELDS.values())
     assert {f.name for f in dataclasses.fields(GRPOConfig)} <= {f.name for f in dataclasses.fields(BiPACEConfig)}
 
