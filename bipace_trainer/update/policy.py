@@ -19,7 +19,7 @@ from trl.models import unwrap_model_for_generation
 
 from .. import trl_compat
 from ..rollout.prefix_cache import PrefixReuse, supports_prefix_reuse
-from ..rollout.policy import Policy, all_encoded, vllm_temperature
+from ..rollout.policy import PolicyBase, all_encoded, vllm_temperature
 from ..rollout.vllm_backend import PrefixCacheCounter, WeightSyncs
 
 __all__ = ["TRLGeneration", "TRLPolicy"]
@@ -53,11 +53,12 @@ class TRLGeneration:
     multimodal: bool = False
 
 
-class TRLPolicy(Policy):
+class TRLPolicy(PolicyBase):
     """TRL's generation: `_generate_single_turn` (HF generate or vLLM colocate/server), through
     `PrefixReuse` when `hf_prefix_cache` is on and nothing it would skip is in use, with the sampling
     temperature switchable on either backend; the vLLM engine kept awake across a rollout
-    (`WeightSyncs`) and its prefix cache read back (`PrefixCacheCounter`)."""
+    (`WeightSyncs`) and its prefix cache read back (`PrefixCacheCounter`). A whole `rollout.policy.Policy`:
+    what the rollout and the overlap's snapshot read are its members, never `trl` (this class's own)."""
 
     def __init__(self, trl: TRLGeneration):
         self.trl = trl
@@ -66,6 +67,8 @@ class TRLPolicy(Policy):
         self.eos_token_ids = trl.eos_token_ids
         self.pad_token_id = trl.tokenizer.pad_token_id
         self.per_forward_rows = trl.args.per_device_train_batch_size
+        self.seed = trl.args.seed
+        self.tokenizer, self.pad_to_multiple_of = trl.tokenizer, trl.pad_to_multiple_of
         self.use_vllm = trl.vllm_generation is not None
         vllm_mode = getattr(trl.args, "vllm_mode", None)
         # the engine's own continuous batching: colocate without tensor parallelism, or the server's
@@ -102,6 +105,11 @@ class TRLPolicy(Policy):
     def vllm_generation(self):
         return self.trl.vllm_generation
 
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        """TRL's HF generation config as it is now (the evaluation's temperature inside `sampling`); None under vLLM."""
+        return self.trl.generation_config
+
     def profile(self, name: str) -> ContextManager:
         return self.trl.profile(name)
 
@@ -114,7 +122,9 @@ class TRLPolicy(Policy):
     # -- the weights
     def push_weights(self, barrier: bool = False) -> None:
         """TRL's `_generate_single_turn` rule: push the weights to vLLM when the training step changed
-        (with `barrier`, every rank then waits until the push is done)."""
+        (with `barrier`, every rank then waits until the push is done). Nothing to push without vLLM."""
+        if not self.use_vllm:
+            return
         step = self.trl.step()
         if step == self.trl.loaded_step(None):
             return

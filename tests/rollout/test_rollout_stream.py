@@ -253,7 +253,8 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
             eos_token_ids=[1], step=lambda: 0, loaded_step=lambda step: 0, summon_full_params=None, profile=None,
             vllm_generation=generation if use_vllm else None,
         ))
-        return RolloutCollector(policy, SimpleNamespace(env_class=None), args, accelerator)
+        settings = RolloutSettings(max_turns=2, history_length=1, mode=mode)
+        return RolloutCollector(policy, SimpleNamespace(env_class=None), settings, accelerator)
 
     for vllm_mode, engine in (("colocate", EngineStream), ("server", ServerStream)):
         streamed = collector("continuous", vllm_mode=vllm_mode)
