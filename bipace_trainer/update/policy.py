@@ -28,7 +28,12 @@ __all__ = ["TRLGeneration", "TRLPolicy"]
 @dataclass
 class TRLGeneration:
     """What `TRLPolicy` needs of TRL's `GRPOTrainer`, handed over by the trainer (its own methods
-    bound, its settings as values): the seam's one crossing, so nothing in the rollout holds the trainer."""
+    bound, its settings as values): the seam's one crossing, so nothing in the rollout holds the trainer.
+    It stays in `update/`: the rollout sees the `rollout.policy.Policy` members only. The callables are
+    what a value cannot carry: TRL's generation and tokenization (its methods), the live model and its
+    wrapper (transformers re-wraps them when training starts), the global step and TRL's last pushed
+    step (TRL's own vLLM path reads and writes it too), the ZeRO-3/FSDP parameter gathering and TRL's
+    profiler (both take the live trainer)."""
 
     generate_single_turn: Callable  # TRL's `_generate_single_turn(prompt_ids, images, fields, num_generations)`
     tokenize_prompts: Callable  # (chat prompts, environments or None) → TRL's `_tokenize_prompts`, context-fitted
@@ -36,8 +41,7 @@ class TRLGeneration:
     processing_class: Any  # decodes completions
     model: Callable[[], torch.nn.Module]  # the live model (`trainer.model`)
     model_wrapped: Callable[[], torch.nn.Module]  # what TRL generates through (`trainer.model_wrapped`)
-    unwrap: Callable[[torch.nn.Module], torch.nn.Module]  # accelerator.unwrap_model
-    accelerator: Any
+    accelerator: Any  # ranks, the device, `unwrap_model`
     args: Any
     generation_config: GenerationConfig | None  # None under vLLM (TRL builds none)
     generation_kwargs: dict[str, Any] | None
@@ -87,7 +91,7 @@ class TRLPolicy(PolicyBase):
     # -- what the rollout reads
     @property
     def module(self):
-        return self.trl.unwrap(self.trl.model())
+        return self.accelerator.unwrap_model(self.trl.model())
 
     @property
     def training(self) -> bool:
@@ -109,9 +113,6 @@ class TRLPolicy(PolicyBase):
     def generation_config(self) -> GenerationConfig | None:
         """TRL's HF generation config as it is now (the evaluation's temperature inside `sampling`); None under vLLM."""
         return self.trl.generation_config
-
-    def profile(self, name: str) -> ContextManager:
-        return self.trl.profile(name)
 
     def tokenize(self, messages, environments=None):
         return [list(ids) for ids in self.trl.tokenize_prompts(messages, environments)]

@@ -135,11 +135,10 @@ def test_every_concrete_policy_is_a_whole_policy(raw_tiny_dir):
     generation = SimpleNamespace(mode="server", sync_weights=lambda: None)  # a server: no engine in this process
     served = VLLMPolicy(generation, plain.module, plain.tokenizer, 8, plain.eos_token_ids)
     args = SimpleNamespace(per_device_train_batch_size=2, seed=7, vllm_mode="server", hf_prefix_cache=False)
-    accelerator = SimpleNamespace(device="cpu", num_processes=1)
+    accelerator = SimpleNamespace(device="cpu", num_processes=1, unwrap_model=lambda model: model)
     trl = TRLGeneration(
         generate_single_turn=None, tokenize_prompts=None, tokenizer=plain.tokenizer, processing_class=plain.tokenizer,
-        model=lambda: plain.module, model_wrapped=lambda: plain.module, unwrap=lambda model: model,
-        accelerator=accelerator, args=args, generation_config=plain.generation_config, generation_kwargs={},
+        model=lambda: plain.module, model_wrapped=lambda: plain.module, accelerator=accelerator, args=args, generation_config=plain.generation_config, generation_kwargs={},
         eos_token_ids=plain.eos_token_ids, step=lambda: 0, loaded_step=lambda step: 0, summon_full_params=None,
         profile=None,
     )  # fmt: skip
