@@ -22,5 +22,5 @@ May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `e
 transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives).
 Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the rollout, never
 the other way round. The rollout is handed a `Policy` and values (`RolloutSettings`, `EnvSpec`, `ToolEnvSetup`),
-never the trainer or its config (tests/test_seam.py, tests/rollout/test_values.py).
+never the trainer or its config (tests/test_seam.py, tests/rollout/test_collector_values.py).
 """

@@ -24,7 +24,7 @@ trainer, as verl-agent's `multi_turn_loop` is handed a worker group that generat
   `weight_syncs` (vLLM's counted weight pushes), and `tokenizer`, `generation_config`,
   `pad_to_multiple_of` (what a snapshot of the weights generates with, `update.overlap`).
 
-`Policy` is a `typing.Protocol` (runtime-checkable: tests/rollout/test_values.py checks every
+`Policy` is a `typing.Protocol` (runtime-checkable: tests/rollout/test_collector_values.py checks every
 concrete policy against it); `PolicyBase` is the shared implementation.
 
 `TRLPolicy` is built by `BiPACETrainer` from TRL's own generation (`_generate_single_turn`: HF
