@@ -25,8 +25,9 @@ is played once per seed (`--tasks N`: N tasks stratified over task types; `--epi
 A model is anything `BiPACETrainer` takes (a Hub id, a local model, "embedded"), a LoRA adapter
 folder (its base from `adapter_config.json`, or `--base_model`), a training checkpoint
 (`checkpoint-N/`), or a run's output directory (its final model, else its newest checkpoint).
-No trainer is built: the model is loaded as a plain model and played through a `Policy`
-(`rollout.policy.ModelPolicy`, or `VLLMPolicy`) by the evaluation every training run uses
+No trainer and no training config are built: the model is loaded as a plain model and played through a
+`Policy` (`rollout.policy.ModelPolicy`, or `VLLMPolicy`), on the rollout's values built from the flags
+(`eval_values`: `RolloutSettings`, `EnvSpec`), by the evaluation every training run uses
 (`evaluation.play_evaluation`; each rank plays a slice, results are gathered), in chunks of
 `--chunk_size` episodes; a finished chunk is appended to `<output_dir>/<label>/episodes.jsonl` at
 once, and a rerun with the same settings skips the chunks it finds there (an interrupted run
