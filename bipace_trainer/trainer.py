@@ -33,7 +33,7 @@ from .config import BiPACEConfig
 from .models import load_tokenizer, resolve_model_name
 from .reports.model_card import write_model_card
 from .rollout.collector import (
-    RolloutCollector, TextEnvSource, ToolEnvSource, check_env_tasks, env_reward, sharded_forward, task_dataset,
+    RolloutCollector, check_env_tasks, env_reward, env_source, sharded_forward, task_dataset,
 )
 from .rollout.hidden import HiddenPlan
 from .rollout.loop import Rollout, TaskRef
@@ -153,12 +153,10 @@ class BiPACETrainer(GRPOAdapter):
         self.hidden_plan = self.plan.hidden
         self.policy = TRLPolicy(self.trl_generation())
         self.batch_spec = self.trl_batch_spec(mask_cut_episodes=trl_envs and not self.one_step)
-        if trl_envs:
-            eval_rows = list(eval_dataset) if eval_dataset is not None else []
-            source = ToolEnvSource(self.tool_env_setup(num_user_rewards), args, num_user_rewards, eval_rows)
-        else:
-            source = TextEnvSource(args)
-        self.collector = RolloutCollector(self.policy, source, args, self.accelerator, self.hidden_plan,
+        setup = self.tool_env_setup(num_user_rewards) if trl_envs else None  # None: our TextEnvs
+        # values, derived once (`run.plan`): the rollout never sees `args`
+        source = env_source(self.plan.env, self.plan.rollout, setup, num_user_rewards, eval_dataset)
+        self.collector = RolloutCollector(self.policy, source, self.plan.rollout, self.accelerator, self.hidden_plan,
                                           sharded=self.sharded_forward)
         self._sync = self.collector.sync
         self.shared_prefix = SharedPrefixForward.for_trainer(self)  # None where off (`shared_prefix`)
@@ -353,6 +351,7 @@ class BiPACETrainer(GRPOAdapter):
         result = evaluation.play_evaluation(
             self.collector, self.eval_task_refs(split), temperature=self.args.eval_temperature,
             step=self.state.global_step, tag=tag, split=split, seed=self.args.seed, model=self.model,
+            recorded=evaluation.evaluation_settings(self.args),  # so `bipace-eval OUTPUT_DIR` plays it again
         )
         if result:
             evaluation.keep_result(

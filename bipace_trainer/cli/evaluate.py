@@ -25,8 +25,9 @@ is played once per seed (`--tasks N`: N tasks stratified over task types; `--epi
 A model is anything `BiPACETrainer` takes (a Hub id, a local model, "embedded"), a LoRA adapter
 folder (its base from `adapter_config.json`, or `--base_model`), a training checkpoint
 (`checkpoint-N/`), or a run's output directory (its final model, else its newest checkpoint).
-No trainer is built: the model is loaded as a plain model and played through a `Policy`
-(`rollout.policy.ModelPolicy`, or `VLLMPolicy`) by the evaluation every training run uses
+No trainer and no training config are built: the model is loaded as a plain model and played through a
+`Policy` (`rollout.policy.ModelPolicy`, or `VLLMPolicy`), on the rollout's values built from the flags
+(`eval_values`: `RolloutSettings`, `EnvSpec`), by the evaluation every training run uses
 (`evaluation.play_evaluation`; each rank plays a slice, results are gathered), in chunks of
 `--chunk_size` episodes; a finished chunk is appended to `<output_dir>/<label>/episodes.jsonl` at
 once, and a rerun with the same settings skips the chunks it finds there (an interrupted run
@@ -279,31 +280,41 @@ def model_label(spec: str, taken: Sequence[str] = ()) -> str:
 # ---------------------------------------------------------------------------------------------- playing
 
 
-def _eval_config(settings: argparse.Namespace, output_dir: Path, split: str):
-    """The settings an evaluation plays with (a `BiPACEConfig`: the protocol's, one dump per chunk)."""
-    from accelerate import PartialState
+def run_defaults(names: Sequence[str]) -> dict[str, Any]:
+    """`BiPACEConfig`'s declared defaults of `names` (read off its fields, no config built): what a run
+    that set none of them samples with."""
+    import dataclasses
 
     from ..config import BiPACEConfig
 
-    values = dict(
-        output_dir=str(output_dir), env_name=settings.env, env_kwargs=settings.env_kwargs, max_turns=settings.max_turns,
-        preset="grpo",  # evaluation uses no estimator; grpo needs no hidden states (any cluster_layer fits)
-        history_length=settings.history_length, max_completion_length=settings.max_completion_length,
-        eval_temperature=settings.temperature, eval_split=split, eval_tasks=0, eval_rollouts_per_task=1,
-        rollout_dump_steps=1, rollout_batch_size=settings.rollout_batch_size, num_generations=2,
-        tasks_per_iteration=PartialState().num_processes,  # unused (no training) but checked: one group per rank
-        per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=settings.no_progress, seed=settings.seeds[0], use_vllm=settings.use_vllm,
-        trust_remote_code=settings.trust_remote_code, use_cpu=settings.use_cpu,
-        bf16=False,  # nothing is trained: no mixed precision (GRPOConfig's default refuses a CPU without use_cpu)
-        model_init_kwargs={"dtype": settings.dtype},  # TRL's default for a model it loads; an adapter's base too
+    fields = {f.name: f for f in dataclasses.fields(BiPACEConfig)}
+    return {name: None if fields[name].default is dataclasses.MISSING else fields[name].default for name in names}
+
+
+def run_values(settings: argparse.Namespace) -> dict[str, Any]:
+    """The run's sampling and reply fields (`evaluation.REPLAYED_FIELDS`, recorded with its evaluations, in
+    `settings.generation`) over the config's defaults (the base temperature too: `ModelEvaluation.play`
+    samples at the evaluation's, `settings.temperature`)."""
+    from ..rollout.policy import SAMPLING_FIELDS
+    from ..run.evaluation import REPLAYED_FIELDS
+
+    names = tuple(dict.fromkeys((*SAMPLING_FIELDS, *REPLAYED_FIELDS)))
+    recorded = {name: settings.generation[name] for name in REPLAYED_FIELDS if name in settings.generation}
+    return {**run_defaults(names), **recorded}
+
+
+def eval_values(settings: argparse.Namespace, output_dir: Path, split: str):
+    """(`RolloutSettings`, `EnvSpec`) an evaluation of `split` plays with: the protocol's values (flags, the
+    run's), every episode dumped to `output_dir` (one dump per chunk); the rest the rollout's defaults."""
+    from ..rollout.loop import EnvSpec, RolloutSettings
+
+    values = run_values(settings)
+    rollout = RolloutSettings(
+        max_turns=settings.max_turns, history_length=settings.history_length, rollout_batch_size=settings.rollout_batch_size,
+        require_think=bool(values["require_think"]), action_key_tokens=values["action_key_tokens"], eval_tasks=0,
+        eval_rollouts_per_task=1, disable_tqdm=settings.no_progress, rollout_dump_steps=1, output_dir=str(output_dir),
     )  # fmt: skip
-    values.update(settings.generation)  # the run's sampling fields (evaluation.REPLAYED_FIELDS), if it recorded them
-    if settings.use_vllm:
-        values.update(vllm_mode=settings.vllm_mode, vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
-                      vllm_max_model_length=settings.vllm_max_model_length,
-                      vllm_server_base_url=settings.vllm_server_base_url)  # fmt: skip
-    return BiPACEConfig(**values)
+    return rollout, EnvSpec(name=settings.env, kwargs=dict(settings.env_kwargs), train_split=split, eval_split=split)
 
 
 def generation_backend(settings: argparse.Namespace) -> str:
@@ -321,23 +332,23 @@ class ModelEvaluation:
     code every training run evaluates with. `close` stops the envs and frees the model and engine before
     the next model's are built (two colocated engines would each hold `--vllm_gpu_memory_utilization`)."""
 
-    def __init__(self, resolved: ResolvedModel, config):
+    def __init__(self, resolved: ResolvedModel, settings: argparse.Namespace, output_dir: Path, split: str):
         from accelerate import Accelerator
 
         from ..rollout.collector import RolloutCollector, TextEnvSource
 
-        self.accelerator = Accelerator(cpu=config.use_cpu)
-        model, tokenizer = load_policy(resolved, config.trust_remote_code, config.model_init_kwargs["dtype"])
+        self.accelerator = Accelerator(cpu=settings.use_cpu)
+        model, tokenizer = load_policy(resolved, settings.trust_remote_code, settings.dtype)
         model = model.to(self.accelerator.device).eval()
-        self.policy = build_policy(model, tokenizer, config, self.accelerator)
-        self.collector = RolloutCollector(self.policy, TextEnvSource(config), config, self.accelerator)
-        self.config = config
+        self.policy = build_policy(model, tokenizer, settings, self.accelerator)
+        rollout, env = eval_values(settings, output_dir, split)
+        self.collector = RolloutCollector(self.policy, TextEnvSource(env, rollout), rollout, self.accelerator)
+        self.temperature = settings.temperature
 
     def play(self, panel: list, split: str, tag: str, seed: int) -> dict[str, Any]:
         from ..run.evaluation import play_evaluation
 
-        return play_evaluation(self.collector, panel, temperature=self.config.eval_temperature, step=0, tag=tag,
-                               split=split, seed=seed)  # fmt: skip
+        return play_evaluation(self.collector, panel, temperature=self.temperature, step=0, tag=tag, split=split, seed=seed)
 
     def close(self) -> None:
         import gc
@@ -345,7 +356,7 @@ class ModelEvaluation:
         import torch
 
         self.collector.close()
-        generation = getattr(self.policy, "vllm_generation", None)
+        generation = self.policy.vllm_generation
         if generation is not None and getattr(generation, "llm", None) is not None:
             generation.llm = None
         self.policy = self.collector = None
@@ -355,30 +366,40 @@ class ModelEvaluation:
             torch.cuda.empty_cache()
 
 
-def build_policy(model, tokenizer, config, accelerator):
+# TRL's vLLM engine settings an evaluation leaves at the config's defaults (no flag for them)
+_VLLM_DEFAULTS = (
+    "vllm_structured_outputs_regex", "vllm_server_host", "vllm_server_port", "vllm_group_port", "vllm_server_timeout",
+    "vllm_tensor_parallel_size", "vllm_enable_sleep_mode", "vllm_model_impl",
+)  # fmt: skip
+# sequences a colocated engine runs at once: the 2 an evaluation's former training values gave (2 rows x 1 x 1)
+_VLLM_MAX_NUM_SEQS = 2
+
+
+def build_policy(model, tokenizer, settings: argparse.Namespace, accelerator):
     """The policy a plain model evaluates with: HF generate with TRL's generation config, or TRL's
     `VLLMGeneration` (colocate or server) built as `GRPOTrainer` builds it."""
     from ..rollout.policy import ModelPolicy, VLLMPolicy, eos_token_ids_of, generation_config_for
 
     eos = eos_token_ids_of(model, tokenizer)
-    reply = getattr(config, "max_turn_length", None) or config.max_completion_length  # one reply's cap, as in training
-    if not config.use_vllm:
-        generation_config = generation_config_for(config, tokenizer, eos)
-        generation_config.max_new_tokens = reply
+    values = run_values(settings)
+    reply = values["max_turn_length"] or settings.max_completion_length  # one reply's cap, as in training
+    if not settings.use_vllm:
+        generation_config = generation_config_for(values, tokenizer, eos, max_new_tokens=reply)
         return ModelPolicy(model, tokenizer, generation_config, reply, eos_token_ids=eos)
     from trl.generation.vllm_generation import VLLMGeneration
 
+    engine = {name.removeprefix("vllm_"): value for name, value in run_defaults(_VLLM_DEFAULTS).items()}
     generation = VLLMGeneration(
-        model=model, accelerator=accelerator, processing_class=tokenizer, mode=config.vllm_mode,
-        structured_outputs_regex=config.vllm_structured_outputs_regex, server_base_url=config.vllm_server_base_url,
-        server_host=config.vllm_server_host, server_port=config.vllm_server_port, group_port=config.vllm_group_port,
-        server_timeout=config.vllm_server_timeout, tensor_parallel_size=config.vllm_tensor_parallel_size,
-        gpu_memory_utilization=config.vllm_gpu_memory_utilization, max_model_length=config.vllm_max_model_length,
-        max_num_seqs=config.per_device_train_batch_size * config.vllm_tensor_parallel_size * config.steps_per_generation,
-        enable_sleep_mode=config.vllm_enable_sleep_mode, model_impl=config.vllm_model_impl,
-        trust_remote_code=config.trust_remote_code, repetition_penalty=config.repetition_penalty,
-        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-        max_completion_length=reply, logprobs=0, generation_kwargs=config.generation_kwargs,
+        model=model, accelerator=accelerator, processing_class=tokenizer, mode=settings.vllm_mode,
+        structured_outputs_regex=engine["structured_outputs_regex"], server_base_url=settings.vllm_server_base_url,
+        server_host=engine["server_host"], server_port=engine["server_port"], group_port=engine["group_port"],
+        server_timeout=engine["server_timeout"], tensor_parallel_size=engine["tensor_parallel_size"],
+        gpu_memory_utilization=settings.vllm_gpu_memory_utilization, max_model_length=settings.vllm_max_model_length,
+        max_num_seqs=_VLLM_MAX_NUM_SEQS * engine["tensor_parallel_size"], enable_sleep_mode=engine["enable_sleep_mode"],
+        model_impl=engine["model_impl"], trust_remote_code=settings.trust_remote_code,
+        repetition_penalty=values["repetition_penalty"], temperature=values["temperature"], top_p=values["top_p"],
+        top_k=values["top_k"], min_p=values["min_p"], max_completion_length=reply, logprobs=0,
+        generation_kwargs=values["generation_kwargs"],
     )
     return VLLMPolicy(generation, model, tokenizer, reply, eos)
 
@@ -456,7 +477,7 @@ def evaluate_model(spec: str, settings: argparse.Namespace, label: str, progress
     try:
         for number, (split, seed, index, chunk) in enumerate(todo, 1):
             if evaluation is None:
-                evaluation = ModelEvaluation(resolved, _eval_config(settings, folder, split))
+                evaluation = ModelEvaluation(resolved, settings, folder, split)
             panel = [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, (spec, _) in enumerate(chunk)]
             tag = f"{split}-seed{seed}-chunk{index:04d}"
             result = evaluation.play(panel, split, tag, chunk_seed(seed, index))

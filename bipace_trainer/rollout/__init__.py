@@ -3,7 +3,8 @@
     policy          the narrow interface the rollout generates through (ModelPolicy / VLLMPolicy: a plain
                     model, for bipace-eval; the trainer's TRL generation is `update.policy.TRLPolicy`)
     loop            run_rollouts: lockstep or continuous multi-turn rollouts → Rollout (docs/concepts/math.md#step-records)
-    types           what a rollout is made of: Generation, TaskRef, RolloutSettings, StepRecord, Episode, Rollout, Action
+    types           what a rollout is made of: RolloutSettings and EnvSpec (the values it is built from), Generation,
+                    TaskRef, StepRecord, Episode, Rollout, Action
     adapters        kinds of environment as the loops play them: EnvAdapter, TextEnvAdapter
     lockstep        the lockstep loop; continuous: the continuous loops (calls, or an engine stream)
     play            what every loop shares: LoopState, the per-episode bookkeeping, prompt counts
@@ -20,6 +21,6 @@
 May import: `bipace_trainer.advantages` (StepBatch, the estimate it records), `envs`, TRL,
 transformers, and `bipace_trainer.trl_compat` (where what it changes inside TRL and vLLM lives).
 Never `run/`, `reports/`, `cli/`, `trainer` or `config`: the trainer drives the rollout, never
-the other way round. The rollout is handed a `Policy` and values (`ToolEnvSetup`),
-never the trainer (tests/test_seam.py).
+the other way round. The rollout is handed a `Policy` and values (`RolloutSettings`, `EnvSpec`, `ToolEnvSetup`),
+never the trainer or its config (tests/test_seam.py, tests/rollout/test_collector_values.py).
 """

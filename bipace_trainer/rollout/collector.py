@@ -1,6 +1,6 @@
 """The multi-turn rollout collector: the trainer's one way to play episodes, training and evaluation alike.
 
-    collector = RolloutCollector(policy, TextEnvSource(args), args, accelerator, hidden_plan)  # or ToolEnvSource(...)
+    collector = RolloutCollector(policy, TextEnvSource(env_spec, settings), settings, accelerator, hidden_plan)
     rollout = collector.collect("train", collector.task_refs(rows, group_size=G))
     with collector.sampling_temperature(0.4):
         rollout = collector.collect("eval", collector.eval_task_refs("valid"))
@@ -15,6 +15,10 @@ use ("train", "eval") kept across generations, the rollout loop (`rollout.run_ro
 lockstep or continuous per `rollout_mode`) with cross-rank reductions, the progress bar,
 the "every episode failed" guard, and the trajectory records (`trajectories`).
 
+It is built from values, never from the run's config: `RolloutSettings` (what the rollout reads) and
+`EnvSpec` (which envs, how stepped), which the trainer derives once (`run.plan`) and `bipace-eval` builds
+from its flags (`cli.evaluate`).
+
 A kind of environment is an *env source* (`TextEnvSource`: our registered `TextEnv`s;
 `ToolEnvSource`: TRL's `environment_factory` / `tools`) together with its `EnvAdapter`
 (`rollout.TextEnvAdapter`, `tool_envs.ToolEnvAdapter`): the source says how to build the
@@ -25,8 +29,9 @@ them. A third kind is one new source and adapter; neither the collector nor the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterable
 
 from accelerate.utils import gather_object
 from datasets import Dataset
@@ -37,7 +42,9 @@ from envs.vector import VectorEnv
 
 from . import trajectories
 from .hidden import HiddenPlan
-from .loop import EnvAdapter, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts
+from .loop import (
+    EnvAdapter, EnvSpec, Generation, LocalSync, Rollout, RolloutSettings, TaskRef, TextEnvAdapter, run_rollouts,
+)
 from .policy import Policy
 from .sync import CrossRankSync
 from .tool_envs import PromptAdapter, ToolEnvAdapter, ToolEnvSetup, ToolSession
@@ -48,6 +55,7 @@ __all__ = [
     "RolloutCollector",
     "TextEnvSource",
     "ToolEnvSource",
+    "env_source",
     "task_dataset",
     "check_env_tasks",
     "env_reward",
@@ -106,25 +114,25 @@ def task_dataset(env: str, split: str, env_kwargs: dict[str, Any] | None = None,
 
 
 class TextEnvSource:
-    """Our `TextEnv`s by registry name or dotted path (`args.env_name`, `args.env_kwargs`):
-    a dataset row is {"task_id": int}; evaluation plays `eval_tasks` of a split."""
+    """Our `TextEnv`s by registry name or dotted path (`env.name`, `env.kwargs`): a dataset row is
+    {"task_id": int}; evaluation plays `settings.eval_tasks` of a split."""
 
     uses_reward_funcs = False  # the env's own rewards (TRL's reward column is the placeholder `env_reward`)
 
-    def __init__(self, args):
-        self.args = args
-        self.name = args.env_name  # what the model card calls the env
-        self.env_class = resolve_env_class(args.env_name)
+    def __init__(self, env: EnvSpec, settings: RolloutSettings):
+        self.env, self.settings = env, settings
+        self.name = env.name  # what the model card calls the env
+        self.env_class = resolve_env_class(env.name)
         self.report_key = self.env_class.report_key
         self.reports_score = getattr(self.env_class, "reports_score", False)
         self.task_attributes = {
             spec.task_id: spec.attributes
-            for split in {args.train_split, args.eval_split}
-            for spec in self.env_class.tasks(split, **args.env_kwargs)
+            for split in {env.train_split, env.eval_split}
+            for spec in self.env_class.tasks(split, **env.kwargs)
         }
 
     def env_factory(self) -> tuple[Any, dict[str, Any]]:
-        return self.args.env_name, self.args.env_kwargs
+        return self.env.name, self.env.kwargs
 
     def adapter(self, settings: RolloutSettings) -> EnvAdapter:
         return TextEnvAdapter(settings)
@@ -136,17 +144,17 @@ class TextEnvSource:
     def eval_task_refs(self, split: str) -> list[TaskRef]:
         """`eval_tasks` tasks of `split` (stratified over `report_key`; 0 = all), each
         `eval_rollouts_per_task` times, one group per task."""
-        args = self.args
-        specs = self.env_class.tasks(split, **args.env_kwargs)
-        specs = stratified_subset(specs, args.eval_tasks, self.report_key, "eval_tasks")
-        repeats = args.eval_rollouts_per_task
+        settings = self.settings
+        specs = self.env_class.tasks(split, **self.env.kwargs)
+        specs = stratified_subset(specs, settings.eval_tasks, self.report_key, "eval_tasks")
+        repeats = settings.eval_rollouts_per_task
         return [TaskRef(spec.task_id, group=i, attributes=spec.attributes) for i, spec in enumerate(specs) for _ in range(repeats)]
 
     def dummy_environment(self) -> Hashable:
         return None
 
     def describe(self) -> str:
-        return f"env_name={self.args.env_name!r}, env_kwargs={self.args.env_kwargs!r}"
+        return f"env_name={self.env.name!r}, env_kwargs={self.env.kwargs!r}"
 
 
 class ToolEnvSource:
@@ -155,15 +163,15 @@ class ToolEnvSource:
     `tool_envs.ToolEnvSetup` the trainer hands over); with neither, plain prompts scored by
     `reward_funcs`, one reply each (`PromptAdapter`). A dataset row is passed whole to
     `reset(**row)`; evaluation plays the rows of `eval_dataset` (the first `eval_tasks`, 0 = all),
-    each `eval_rollouts_per_task` times."""
+    each `eval_rollouts_per_task` times. `env`: how the sessions are stepped (its name and kwargs unused)."""
 
     report_key = None
     reports_score = False
     uses_reward_funcs = True  # the episode reward is TRL's reward_funcs (get_reward and the user's)
 
-    def __init__(self, setup: ToolEnvSetup, args, num_user_reward_funcs: int, eval_rows: list[dict[str, Any]] | None):
-        self.setup = setup
-        self.args = args
+    def __init__(self, setup: ToolEnvSetup, env: EnvSpec, settings: RolloutSettings, num_user_reward_funcs: int,
+                 eval_rows: list[dict[str, Any]] | None):
+        self.setup, self.env, self.settings = setup, env, settings
         self.num_user_reward_funcs = num_user_reward_funcs
         self.eval_rows = eval_rows or []
         factories = setup.environment_factories or {}
@@ -174,7 +182,8 @@ class ToolEnvSource:
     def env_factory(self) -> tuple[Any, dict[str, Any]]:
         setup = self.setup
         multi = setup.environment_factories is not None and setup.multi_environment
-        return functools.partial(ToolSession, setup.environment_factories, setup.standalone_tools, multi, self.args.tool_errors), {}
+        tool_errors = self.settings.tool_errors
+        return functools.partial(ToolSession, setup.environment_factories, setup.standalone_tools, multi, tool_errors), {}
 
     def adapter(self, settings: RolloutSettings) -> EnvAdapter:
         if self.plain_prompts:  # no env, no tools: each row one reply (plain GRPO)
@@ -186,8 +195,8 @@ class ToolEnvSource:
         return TaskRef(int(row.get("task_id", group)), group=group, attributes=attributes, inputs=dict(row))
 
     def eval_task_refs(self, split: str) -> list[TaskRef]:
-        rows = self.eval_rows[: self.args.eval_tasks or None]
-        return [self.task_ref(row, i) for i, row in enumerate(rows) for _ in range(self.args.eval_rollouts_per_task)]
+        rows = self.eval_rows[: self.settings.eval_tasks or None]
+        return [self.task_ref(row, i) for i, row in enumerate(rows) for _ in range(self.settings.eval_rollouts_per_task)]
 
     def dummy_environment(self) -> Hashable:
         """The environment a dummy prompt (a rank with no active env) is rendered with."""
@@ -198,6 +207,16 @@ class ToolEnvSource:
         return f"environment_factory={self.setup.environment_factories!r}"
 
 
+def env_source(env: EnvSpec, settings: RolloutSettings, tool_setup: ToolEnvSetup | None = None,
+               num_user_reward_funcs: int = 0, eval_rows: Iterable[dict[str, Any]] | None = None):
+    """The env source of a run: TRL's envs (or plain prompts) when the trainer hands over `tool_setup`,
+    with `eval_rows` (its `eval_dataset`) as the evaluation's rows; else our `TextEnv` `env.name`."""
+    if tool_setup is None:
+        return TextEnvSource(env, settings)
+    rows = list(eval_rows) if eval_rows is not None else []
+    return ToolEnvSource(tool_setup, env, settings, num_user_reward_funcs, rows)
+
+
 # ---------------------------------------------------------------------- the collector
 
 
@@ -206,31 +225,28 @@ class RolloutCollector:
 
     Args:
         policy: what generates (`policy.Policy`: TRL's generation, or a plain model).
-        source: the kind of environment (`TextEnvSource`, `ToolEnvSource`).
-        args: the run's settings (`BiPACEConfig`: the rollout's, the envs', `output_dir`, ...).
+        source: the kind of environment (`TextEnvSource`, `ToolEnvSource`; its `env`, an `EnvSpec`, says
+            how the envs are stepped).
+        settings: what the rollout reads (`RolloutSettings`; the env's instruction and invalid action
+            are filled in from the source).
         accelerator: ranks and devices (cross-rank reductions, the progress bar, dumps).
         hidden: where hidden states come from (`hidden.HiddenPlan`, chosen once per run).
         sharded: every forward joins all ranks (ZeRO-3 / FSDP): continuous is refused.
     """
 
-    def __init__(self, policy: Policy, source, args, accelerator, hidden: HiddenPlan | None = None, sharded: bool = False):
+    def __init__(self, policy: Policy, source, settings: RolloutSettings, accelerator, hidden: HiddenPlan | None = None,
+                 sharded: bool = False):
         self.policy = policy
         self.source = source
-        self.args = args
         self.accelerator = accelerator
         self.hidden = hidden or HiddenPlan()
-        self.settings = RolloutSettings(
-            max_turns=args.max_turns,
-            history_length=args.history_length,
-            rollout_batch_size=args.rollout_batch_size,
-            require_think=args.require_think,
-            action_key_tokens=args.action_key_tokens,
-            instruction=getattr(getattr(source, "env_class", None), "instruction", ""),
-            invalid_action=getattr(getattr(source, "env_class", None), "invalid_action", "look"),
-            mode=args.rollout_mode,
+        env_class = getattr(source, "env_class", None)  # TRL's envs have none: their prompts are their own
+        self.settings = dataclasses.replace(
+            settings, instruction=getattr(env_class, "instruction", ""),
+            invalid_action=getattr(env_class, "invalid_action", "look"),
         )
         self.sync = CrossRankSync(accelerator)
-        if args.rollout_mode == "continuous" and sharded:
+        if settings.mode == "continuous" and sharded:
             raise ValueError(
                 "rollout_mode='continuous' cannot run under ZeRO-3 or FSDP (every rank must run each forward "
                 "together, and continuous ranks make their calls independently); set rollout_mode='lockstep'."
@@ -246,7 +262,7 @@ class RolloutCollector:
 
     @property
     def weight_syncs(self):
-        return getattr(self.policy, "weight_syncs", None)
+        return self.policy.weight_syncs
 
     # -- tasks
     def task_refs(self, rows: list[dict[str, Any]], group_size: int) -> list[TaskRef]:
@@ -297,13 +313,13 @@ class RolloutCollector:
     def streams(self) -> bool:
         """Whether rollouts go through the engine's own continuous batching (`vllm_stream`):
         continuous mode on vLLM server, or colocate without tensor parallelism."""
-        return getattr(self.policy, "can_stream", False) and self.settings.mode == "continuous"
+        return self.policy.can_stream and self.settings.mode == "continuous"
 
     def generator(self, name: str, mode: str | None = None):
         """What `run_rollouts` generates with in `mode` (default: `rollout_mode`): `generate_turn`,
         or for continuous on vLLM server or colocate (`can_stream`) a `StreamTurns` over the engine."""
         policy = self.policy
-        if not (getattr(policy, "can_stream", False) and (mode or self.settings.mode) == "continuous"):
+        if not (policy.can_stream and (mode or self.settings.mode) == "continuous"):
             return self.generate_turn
         wants_forward = self.hidden.source == "forward" and policy.training
         return StreamTurns(
@@ -318,16 +334,16 @@ class RolloutCollector:
         if envs is None or envs.num_envs != num_envs:
             if envs is not None:
                 envs.close()
-            args = self.args
+            spec = self.source.env
             env, env_kwargs = self.source.env_factory()
             envs = VectorEnv(
                 env,
                 num_envs,
                 env_kwargs=env_kwargs,
-                backend=args.env_backend,
-                num_workers=args.env_workers,
-                step_timeout=args.env_step_timeout,
-                milestones=name == "train" and "milestone" in args.estimator.rollout_needs,  # plans at reset (BEACON)
+                backend=spec.backend,
+                num_workers=spec.workers,
+                step_timeout=spec.step_timeout,
+                milestones=name == "train" and "milestone" in self.settings.rollout_needs,  # plans at reset (BEACON)
             )
             if name == "train" and self.resumed_env_counters:
                 envs.add_counters(self.resumed_env_counters)  # env/* metrics continue the checkpointed run's
@@ -391,12 +407,12 @@ class RolloutCollector:
     def _turn_progress(self, name: str, num_envs: int):
         """A bar over a rollout's turns, training and evaluation alike (an evaluation on a CPU
         takes minutes), on the main process unless `disable_tqdm`; yields run_rollouts' `on_turn`."""
-        args = self.args
-        if args.disable_tqdm or not self.accelerator.is_main_process:
+        settings = self.settings
+        if settings.disable_tqdm or not self.accelerator.is_main_process:
             yield None
             return
         label = "evaluation" if name == "eval" else "rollout"
-        with tqdm(total=args.max_turns, desc=f"{label} ({num_envs} episodes)", unit="turn", leave=False) as bar:
+        with tqdm(total=settings.max_turns, desc=f"{label} ({num_envs} episodes)", unit="turn", leave=False) as bar:
 
             def on_turn(turn: int, active: int) -> None:
                 bar.set_postfix(playing=active, refresh=False)
@@ -423,7 +439,7 @@ class RolloutCollector:
         return (
             f"Every episode of {when} failed, so nothing was trained; the latest env error: "
             f"{self.last_env_failure or 'unknown'}. Fix the env or its settings ({self.source.describe()}) "
-            f"and rerun; checkpoints, if any, are in {self.args.output_dir}."
+            f"and rerun; checkpoints, if any, are in {self.settings.output_dir}."
         )
 
     # -- what the agent did
@@ -434,9 +450,9 @@ class RolloutCollector:
         dump when one is due (`rollout_dump_steps`; evaluations have no `estimate`). `step` is the
         trainer's global step; a training generation trains `covered` optimizer steps from `step + 1`.
         A failure here is logged and skipped: it never stops training. Every rank joins the same gathers."""
-        args, accelerator = self.args, self.accelerator
+        settings, accelerator = self.settings, self.accelerator
         train = estimate is not None
-        every = args.rollout_dump_steps
+        every = settings.rollout_dump_steps
         dump = trajectories.dump_step(step + 1, covered, every) if train else (step if every else None)
         log = train and completions_log is not None
         if dump is None and not log:
@@ -446,7 +462,7 @@ class RolloutCollector:
         try:
             rows = trajectories.step_rows(
                 rollout, estimate, decode=lambda ids: self.policy.decode([ids])[0],
-                gamma=args.estimator.step_gamma, invalid_penalty=args.estimator.invalid_action_penalty, rank=rank,
+                gamma=settings.step_gamma, invalid_penalty=settings.invalid_action_penalty, rank=rank,
             )
             if dump is not None:
                 split = "train" if train else "eval"
@@ -463,7 +479,7 @@ class RolloutCollector:
             if log:
                 trajectories.fill_completion_logs(completions_log, rows)
             if dump is not None:
-                path = trajectories.dump_path(args.output_dir, dump, "train" if train else "eval", tag)
+                path = trajectories.dump_path(settings.output_dir, dump, "train" if train else "eval", tag)
                 trajectories.write_jsonl(path, records)
         except Exception as err:  # noqa: BLE001
             trajectories.logger.warning(

@@ -54,8 +54,8 @@ from .lockstep import lockstep
 from .play import LoopState, Play, PromptCounter
 from .sync import LocalSync
 from .types import (
-    ROLLOUT_MODES, Action, Episode, Generation, Generator, Rollout, RolloutSettings, StepRecord, StreamingGenerator,
-    TaskRef,
+    ROLLOUT_MODES, Action, EnvSpec, Episode, Generation, Generator, Rollout, RolloutSettings, StepRecord,
+    StreamingGenerator, TaskRef,
 )
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "Episode",
     "Rollout",
     "RolloutSettings",
+    "EnvSpec",
     "TaskRef",
     "LocalSync",
     "Action",

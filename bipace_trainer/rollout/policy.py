@@ -19,6 +19,13 @@ trainer, as verl-agent's `multi_turn_loop` is handed a worker group that generat
   generate), `training` (a training rollout: hidden states are captured for those only).
 - `rollout_scope()`: what a rollout needs held around all its turns (a vLLM engine kept awake,
   weights pushed once), and `prompt_reuse(rollout)`: what the engine encoded vs reused.
+- optional capabilities, typed members of every policy (None or False where absent): `can_stream`
+  and `vllm_generation`, `push_weights`, `prefix_cache`, `seed` (a streamed rollout, `vllm_stream`),
+  `weight_syncs` (vLLM's counted weight pushes), and `tokenizer`, `generation_config`,
+  `pad_to_multiple_of` (what a snapshot of the weights generates with, `update.overlap`).
+
+`Policy` is a `typing.Protocol` (runtime-checkable: tests/rollout/test_collector_values.py checks every
+concrete policy against it); `PolicyBase` is the shared implementation.
 
 `TRLPolicy` is built by `BiPACETrainer` from TRL's own generation (`_generate_single_turn`: HF
 generate, vLLM colocate or server) with `TRLGeneration`, a value holding the trainer's methods and
@@ -30,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Any, ContextManager, Hashable, NamedTuple
+from typing import TYPE_CHECKING, Any, ContextManager, Hashable, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -40,8 +47,12 @@ from .hidden import HiddenPlan, PrefillCapture, forward_hidden_states
 from .prompting import fit_prompt_ids
 from .. import trl_compat
 
+if TYPE_CHECKING:
+    from .vllm_backend import PrefixCacheCounter, WeightSyncs
+
 __all__ = [
-    "Completions", "Policy", "ModelPolicy", "VLLMPolicy", "fit_to_context", "generation_config_for", "cut_after_eos",
+    "Completions", "Policy", "PolicyBase", "ModelPolicy", "VLLMPolicy", "fit_to_context", "generation_config_for",
+    "SAMPLING_FIELDS", "cut_after_eos",
     "eos_token_ids_of", "all_encoded", "vllm_temperature",
 ]
 
@@ -72,15 +83,20 @@ def fit_to_context(prompt_ids: list[list[int]], module: torch.nn.Module, max_com
     return [fit_prompt_ids(ids, limit, marker) for ids in prompt_ids]
 
 
-def generation_config_for(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
-    """The `GenerationConfig` TRL's `GRPOTrainer` generates with under HF (its `__init__`'s rule)."""
-    kwargs = {
-        "max_new_tokens": args.max_completion_length, "do_sample": True, "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos_token_ids, "temperature": args.temperature,
-        "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-        "cache_implementation": args.cache_implementation,
-    }
-    kwargs.update(args.generation_kwargs or {})
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation", "generation_kwargs")
+
+
+def generation_config_for(
+    sampling: Mapping[str, Any], tokenizer, eos_token_ids: list[int], max_new_tokens: int
+) -> GenerationConfig:
+    """The `GenerationConfig` TRL's `GRPOTrainer` generates with under HF (its `__init__`'s rule), from
+    `sampling`: the values of `SAMPLING_FIELDS` (GRPOConfig's fields of those names)."""
+    kwargs = {name: sampling[name] for name in SAMPLING_FIELDS if name != "generation_kwargs"}
+    kwargs.update(
+        max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_token_ids,
+    )
+    kwargs.update(sampling.get("generation_kwargs") or {})
     return GenerationConfig(**kwargs, disable_compile=True)
 
 
@@ -109,47 +125,106 @@ def all_encoded(rollout) -> dict[str, int]:
     return {"prompt_tokens_encoded": rollout.prompt_counts.get("prompt_tokens", 0), "prompt_tokens_reused": 0}
 
 
-class Policy:
-    """The interface the rollout generates through; see the module docstring. Subclasses set
-    `eos_token_ids`, `pad_token_id`, `device` and implement `module`, `tokenize`, `decode`, `_sample`."""
+@runtime_checkable
+class Policy(Protocol):
+    """The interface the rollout generates through; see the module docstring. Every policy has every
+    member: an optional capability a policy lacks is None or False, never a missing attribute.
+    `PolicyBase` implements the shared part (`generate`, `forward_hidden`) and the absent capabilities."""
 
-    use_vllm = False
+    use_vllm: bool
     eos_token_ids: list[int]
     pad_token_id: int
-    per_forward_rows = 8  # rows per extra hidden-state pass ("forward")
+    per_forward_rows: int  # rows per extra hidden-state pass ("forward")
+    seed: int  # the run's seed: a streamed rollout's per-request seeds derive from it (`vllm_stream.request_seed`)
+    # optional capabilities (None / False where absent)
+    can_stream: bool  # rollouts may go through the engine's own continuous batching (`vllm_stream.StreamTurns`)
+    vllm_generation: Any  # TRL's `VLLMGeneration` generating under vLLM (streams and `bipace-eval` read it), or None
+    weight_syncs: WeightSyncs | None  # the engine's weight pushes, counted (vLLM)
+    prefix_cache: PrefixCacheCounter | None  # the engine's prefix-cache tallies (vLLM)
+    # what a snapshot of the weights generates with (`update.overlap.SnapshotPolicy`); None under vLLM
+    tokenizer: Any
+    generation_config: GenerationConfig | None
+    pad_to_multiple_of: int | None
 
     @property
     def module(self) -> torch.nn.Module:
         """The unwrapped model whose layers hidden states are read from."""
-        raise NotImplementedError
+        ...
 
     @property
     def training(self) -> bool:
         """A training rollout (hidden states are captured for these only)."""
-        return self.module.training
+        ...
 
     @property
     def weight_version(self) -> int:
         """The optimizer step whose weights generate (0 for a plain model)."""
-        return 0
+        ...
 
-    def tokenize(self, messages: list, environments: list[Hashable] | None = None) -> list[list[int]]:
-        raise NotImplementedError
+    @property
+    def device(self) -> torch.device: ...
 
-    def decode(self, completion_ids: list[list[int]]) -> list[str]:
-        raise NotImplementedError
+    def tokenize(self, messages: list, environments: list[Hashable] | None = None) -> list[list[int]]: ...
+
+    def decode(self, completion_ids: list[list[int]]) -> list[str]: ...
 
     def sampling(self, temperature: float) -> ContextManager:
         """Sample at `temperature` (0 = greedy) inside the block."""
-        raise NotImplementedError
+        ...
 
     def rollout_scope(self) -> ContextManager:
-        """Held around a whole rollout; nothing for a plain model."""
+        """Held around a whole rollout (a vLLM engine kept awake, weights pushed once)."""
+        ...
+
+    def prompt_reuse(self, rollout) -> dict[str, int]:
+        """Prompt tokens encoded vs reused in the rollout just played."""
+        ...
+
+    def generate(self, prompt_ids: list[list[int]], hidden: HiddenPlan | None = None, real: bool = True) -> Completions:
+        """One generate call; hidden states when `hidden` says the generation captures them."""
+        ...
+
+    def forward_hidden(self, prompt_ids: list[list[int]], layer: int) -> torch.Tensor: ...
+
+    def push_weights(self, barrier: bool = False) -> None:
+        """The engine's weights made the current step's (vLLM; nothing elsewhere)."""
+        ...
+
+
+class PolicyBase:
+    """What every `Policy` shares: `generate` (one `_sample` call, hidden states as `HiddenPlan` asks),
+    `forward_hidden`, and no optional capability. Subclasses set `eos_token_ids`, `pad_token_id`,
+    `tokenizer`, `generation_config` and implement `module`, `device`, `tokenize`, `decode`, `sampling`, `_sample`."""
+
+    use_vllm = False
+    per_forward_rows = 8
+    seed = 0
+    can_stream = False
+    vllm_generation = None
+    weight_syncs: WeightSyncs | None = None
+    prefix_cache: PrefixCacheCounter | None = None
+    pad_to_multiple_of: int | None = None
+    eos_token_ids: list[int]
+    pad_token_id: int
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    @property
+    def weight_version(self) -> int:
+        return 0
+
+    def rollout_scope(self) -> ContextManager:
+        """Nothing to hold for a plain model."""
         return contextlib.nullcontext()
 
     def prompt_reuse(self, rollout) -> dict[str, int]:
-        """Prompt tokens encoded vs reused in the rollout just played: HF generate prefills every one."""
+        """HF generate prefills every prompt token."""
         return all_encoded(rollout)
+
+    def push_weights(self, barrier: bool = False) -> None:
+        """No engine: the weights generate where they are."""
 
     def _sample(self, prompt_ids: list[list[int]], capture: ContextManager, real: bool) -> tuple[list[list[int]], Any]:
         """(completion ids, logprobs or None) of one generate call, run with `capture` entered around it."""
@@ -182,7 +257,7 @@ class Policy:
             module.train(was_training)
 
 
-class ModelPolicy(Policy):
+class ModelPolicy(PolicyBase):
     """A plain causal LM and its tokenizer, generating one turn as TRL's HF `_generate_single_turn` does
     (left-padded prompts, `generation_config`, completions cut after the first EOS). No trainer, no
     optimizer: what `bipace-eval` plays a checkpoint with. `logits_processor` is passed to `generate`.

@@ -22,7 +22,7 @@ import torch
 from ..advantages import StepBatch
 
 __all__ = [
-    "Generation", "Generator", "StreamingGenerator", "TaskRef", "RolloutSettings", "ROLLOUT_MODES", "StepRecord",
+    "Generation", "Generator", "StreamingGenerator", "TaskRef", "RolloutSettings", "EnvSpec", "ROLLOUT_MODES", "StepRecord",
     "Episode", "Rollout", "Action",
 ]
 
@@ -87,8 +87,13 @@ class TaskRef:
     inputs: dict[str, Any] | None = field(default=None, compare=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutSettings:
+    """What the rollout reads of a run's settings, as plain values: the loop's (turns, prompts, replies)
+    and the collector's (evaluation panels, progress, dumps, the estimator's return terms for them).
+    The trainer and `bipace-eval` build it (`run.plan.rollout_settings`, `cli.evaluate`); the rollout
+    never sees the run's config. `instruction` and `invalid_action` are the env's, filled by the collector."""
+
     max_turns: int = 15
     history_length: int = 2
     rollout_batch_size: int = 0  # most prompts per generate call; 0 = all active envs
@@ -97,6 +102,37 @@ class RolloutSettings:
     instruction: str = ""
     invalid_action: str = "look"
     mode: str = "lockstep"  # "lockstep" or "continuous" (ROLLOUT_MODES; see run_rollouts)
+    eval_tasks: int = 32  # tasks an evaluation plays, stratified over the env's report key; 0 = all
+    eval_rollouts_per_task: int = 1
+    tool_errors: str = "observe"  # TRL's envs: a raising tool is shown to the model ("observe") or fails the episode
+    disable_tqdm: bool = False
+    rollout_dump_steps: int = 0  # every this-many optimizer steps a rollout dump (`trajectories`); 0 = none
+    output_dir: str = ""  # where dumps go, and where the "every episode failed" error points
+    # the estimator's, for the dumps' per-step returns (`trajectories.step_rows`); EstimatorSettings' defaults
+    step_gamma: float = 0.95
+    invalid_action_penalty: float = 0.1
+    rollout_needs: frozenset[str] = frozenset()  # what the step term reads beyond rewards ("milestone": envs plan)
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Which envs a rollout plays and how they are stepped (`envs.vector.VectorEnv`).
+
+    Attributes:
+        name: a registered `TextEnv` name or `package.module:Class` ("" for TRL's envs, built by the trainer).
+        kwargs: the env's constructor options (`env_kwargs`).
+        train_split, eval_split: the splits whose tasks training rows and evaluations name.
+        backend: "serial", "thread" or "process" stepping; workers: the pool's size (None: one per env).
+        step_timeout: seconds one env step may take before the episode fails (None: no limit).
+    """
+
+    name: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    train_split: str = "train"
+    eval_split: str = "valid"
+    backend: str = "serial"
+    workers: int | None = None
+    step_timeout: float | None = 60.0
 
 
 ROLLOUT_MODES = ("lockstep", "continuous")

@@ -274,8 +274,8 @@ class StreamTurns:
     colocate's engine (`EngineStream`) or the server (`ServerStream`).
 
     Args:
-        policy: the trainer's `update.policy.TRLPolicy` (its `vllm_generation`, tokenizer, decoding,
-            weight version and push, prefix-cache counter, the run's seed).
+        policy: a `policy.Policy` that `can_stream` (the trainer's `update.policy.TRLPolicy`): its
+            `vllm_generation`, tokenizer, decoding, weight version and push, prefix-cache counter, `seed`.
         name: the rollout's name ("train", "eval"), part of every request's seed.
         hidden: the run's `HiddenPlan` when its states come from one extra pass ("forward"), or None.
         max_in_flight: server mode's cap on requests in flight (its worker threads).
@@ -313,7 +313,7 @@ class StreamTurns:
             return []
         self._weights_current()
         prompt_ids = self.policy.tokenize(messages, environments)
-        base = self.generation.generation_kwargs.get("seed", self.policy.args.seed)
+        base = self.generation.generation_kwargs.get("seed", self.policy.seed)
         step = self.policy.weight_version
         for key, ids in zip(keys, prompt_ids):
             traj, turn = key

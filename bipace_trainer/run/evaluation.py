@@ -137,7 +137,7 @@ def untouched_random_streams() -> Iterator[None]:
 @torch.no_grad()
 def play_evaluation(
     collector: RolloutCollector, tasks: list[TaskRef], *, temperature: float, step: int, tag: str, split: str,
-    seed: int | None = None, model: nn.Module | None = None,
+    seed: int | None = None, model: nn.Module | None = None, recorded: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Play `tasks` (every rank its share) with `collector`'s policy at `temperature`; the summary over
     ranks (`summarise_evaluation`) with the result's `step`, `tag`, `split` and `seconds`, or {} when
@@ -145,11 +145,14 @@ def play_evaluation(
     Every rank must call it. No trainer: `bipace-eval` calls it with a plain model's policy.
     `seed` (Python's, NumPy's and torch's, as `transformers.set_seed`) is what the sampling draws from,
     the same on every rank; None: the streams as they are. Either way they are left as they were
-    (`untouched_random_streams`)."""
+    (`untouched_random_streams`). `recorded` (`evaluation_settings`) goes into the result as its "settings"."""
     with untouched_random_streams():
         if seed is not None:
             set_seed(seed)
-        return _play_evaluation(collector, tasks, temperature=temperature, step=step, tag=tag, split=split, model=model)
+        result = _play_evaluation(collector, tasks, temperature=temperature, step=step, tag=tag, split=split, model=model)
+    if result and recorded is not None:
+        result["settings"] = recorded
+    return result
 
 
 def _play_evaluation(collector, tasks, *, temperature, step, tag, split, model) -> dict[str, Any]:
@@ -172,7 +175,6 @@ def _play_evaluation(collector, tasks, *, temperature, step, tag, split, model) 
     records = gather_object(records) if world > 1 else records
     result = summarise_evaluation(records, collector.source.report_key)
     result.update(step=step, tag=tag, split=split, seconds=time.perf_counter() - start)
-    result["settings"] = evaluation_settings(collector.args)  # so `bipace-eval OUTPUT_DIR` plays it again as it was played
     return result
 
 

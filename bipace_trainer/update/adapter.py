@@ -94,7 +94,7 @@ class GRPOAdapter(GRPOTrainer):
         return TRLGeneration(
             generate_single_turn=self._generate_single_turn, tokenize_prompts=self._tokenize_for,
             tokenizer=self._tokenizer, processing_class=self.processing_class, model=lambda: self.model,
-            model_wrapped=lambda: self.model_wrapped, unwrap=self.accelerator.unwrap_model, accelerator=self.accelerator,
+            model_wrapped=lambda: self.model_wrapped, accelerator=self.accelerator,
             args=self.args,  # TRL builds the two generation settings only without vLLM
             generation_config=None if self.use_vllm else self.generation_config,
             generation_kwargs=None if self.use_vllm else self.generation_kwargs,

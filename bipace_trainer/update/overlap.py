@@ -165,8 +165,8 @@ class SnapshotPolicy(ModelPolicy):
     def __init__(self, live, spec: TRLBatchSpec):
         module = live.module
         super().__init__(
-            snapshot_module(module), live.trl.tokenizer, live.trl.generation_config,
-            pad_to_multiple_of=live.trl.pad_to_multiple_of, eos_token_ids=live.eos_token_ids,
+            snapshot_module(module), live.tokenizer, live.generation_config,
+            pad_to_multiple_of=live.pad_to_multiple_of, eos_token_ids=live.eos_token_ids,
             per_forward_rows=live.per_forward_rows,  # the extra hidden-state pass in the live policy's chunks
         )
         self.live, self.spec = live, spec
@@ -189,7 +189,7 @@ class SnapshotPolicy(ModelPolicy):
         with torch.no_grad():
             for live, copied in self._pairs:
                 copied.copy_(live)
-        config = copy.deepcopy(self.live.trl.generation_config)
+        config = copy.deepcopy(self.live.generation_config)
         warpers = sampling_warpers(config) if config.do_sample else []
         sample = bool(config.do_sample)
         for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):

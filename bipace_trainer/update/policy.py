@@ -19,7 +19,7 @@ from trl.models import unwrap_model_for_generation
 
 from .. import trl_compat
 from ..rollout.prefix_cache import PrefixReuse, supports_prefix_reuse
-from ..rollout.policy import Policy, all_encoded, vllm_temperature
+from ..rollout.policy import PolicyBase, all_encoded, vllm_temperature
 from ..rollout.vllm_backend import PrefixCacheCounter, WeightSyncs
 
 __all__ = ["TRLGeneration", "TRLPolicy"]
@@ -28,7 +28,12 @@ __all__ = ["TRLGeneration", "TRLPolicy"]
 @dataclass
 class TRLGeneration:
     """What `TRLPolicy` needs of TRL's `GRPOTrainer`, handed over by the trainer (its own methods
-    bound, its settings as values): the seam's one crossing, so nothing in the rollout holds the trainer."""
+    bound, its settings as values): the seam's one crossing, so nothing in the rollout holds the trainer.
+    It stays in `update/`: the rollout sees the `rollout.policy.Policy` members only. The callables are
+    what a value cannot carry: TRL's generation and tokenization (its methods), the live model and its
+    wrapper (transformers re-wraps them when training starts), the global step and TRL's last pushed
+    step (TRL's own vLLM path reads and writes it too), the ZeRO-3/FSDP parameter gathering and TRL's
+    profiler (both take the live trainer)."""
 
     generate_single_turn: Callable  # TRL's `_generate_single_turn(prompt_ids, images, fields, num_generations)`
     tokenize_prompts: Callable  # (chat prompts, environments or None) → TRL's `_tokenize_prompts`, context-fitted
@@ -36,8 +41,7 @@ class TRLGeneration:
     processing_class: Any  # decodes completions
     model: Callable[[], torch.nn.Module]  # the live model (`trainer.model`)
     model_wrapped: Callable[[], torch.nn.Module]  # what TRL generates through (`trainer.model_wrapped`)
-    unwrap: Callable[[torch.nn.Module], torch.nn.Module]  # accelerator.unwrap_model
-    accelerator: Any
+    accelerator: Any  # ranks, the device, `unwrap_model`
     args: Any
     generation_config: GenerationConfig | None  # None under vLLM (TRL builds none)
     generation_kwargs: dict[str, Any] | None
@@ -53,11 +57,12 @@ class TRLGeneration:
     multimodal: bool = False
 
 
-class TRLPolicy(Policy):
+class TRLPolicy(PolicyBase):
     """TRL's generation: `_generate_single_turn` (HF generate or vLLM colocate/server), through
     `PrefixReuse` when `hf_prefix_cache` is on and nothing it would skip is in use, with the sampling
     temperature switchable on either backend; the vLLM engine kept awake across a rollout
-    (`WeightSyncs`) and its prefix cache read back (`PrefixCacheCounter`)."""
+    (`WeightSyncs`) and its prefix cache read back (`PrefixCacheCounter`). A whole `rollout.policy.Policy`:
+    what the rollout and the overlap's snapshot read are its members, never `trl` (this class's own)."""
 
     def __init__(self, trl: TRLGeneration):
         self.trl = trl
@@ -66,6 +71,8 @@ class TRLPolicy(Policy):
         self.eos_token_ids = trl.eos_token_ids
         self.pad_token_id = trl.tokenizer.pad_token_id
         self.per_forward_rows = trl.args.per_device_train_batch_size
+        self.seed = trl.args.seed
+        self.tokenizer, self.pad_to_multiple_of = trl.tokenizer, trl.pad_to_multiple_of
         self.use_vllm = trl.vllm_generation is not None
         vllm_mode = getattr(trl.args, "vllm_mode", None)
         # the engine's own continuous batching: colocate without tensor parallelism, or the server's
@@ -84,7 +91,7 @@ class TRLPolicy(Policy):
     # -- what the rollout reads
     @property
     def module(self):
-        return self.trl.unwrap(self.trl.model())
+        return self.accelerator.unwrap_model(self.trl.model())
 
     @property
     def training(self) -> bool:
@@ -102,8 +109,10 @@ class TRLPolicy(Policy):
     def vllm_generation(self):
         return self.trl.vllm_generation
 
-    def profile(self, name: str) -> ContextManager:
-        return self.trl.profile(name)
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        """TRL's HF generation config as it is now (the evaluation's temperature inside `sampling`); None under vLLM."""
+        return self.trl.generation_config
 
     def tokenize(self, messages, environments=None):
         return [list(ids) for ids in self.trl.tokenize_prompts(messages, environments)]
@@ -114,7 +123,9 @@ class TRLPolicy(Policy):
     # -- the weights
     def push_weights(self, barrier: bool = False) -> None:
         """TRL's `_generate_single_turn` rule: push the weights to vLLM when the training step changed
-        (with `barrier`, every rank then waits until the push is done)."""
+        (with `barrier`, every rank then waits until the push is done). Nothing to push without vLLM."""
+        if not self.use_vllm:
+            return
         step = self.trl.step()
         if step == self.trl.loaded_step(None):
             return

@@ -60,7 +60,8 @@ def data_flow():
         arrow(ax, (x + 1.72, 1.35), (x + 2.0, 1.35))
     ax.text(5.1, 0.12, "envs know nothing of the trainer; the estimator nothing of models or envs; only update/ and "
             "the ledger (trl_compat) touch TRL's private names", ha="center", fontsize=7.5, style="italic", color="#555")
-    ax.text(3.0, 2.25, "many envs per batch, one turn at a time (envs.VectorEnv)", ha="center", fontsize=8, color="#555")
+    ax.text(3.0, 2.25, "many envs per batch, one turn at a time (envs.VectorEnv); built from values (the run plan's\n"
+            "RolloutSettings and EnvSpec) and a Policy, never the config or the trainer", ha="center", fontsize=8, color="#555")
     fig.canvas.draw()
     check_fit(fig, boxes)
     fig.savefig(HERE / "data_flow.png", dpi=130, bbox_inches="tight")

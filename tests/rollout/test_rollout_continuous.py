@@ -217,11 +217,10 @@ def test_continuous_is_refused_where_every_rank_must_run_each_forward_together()
     from bipace_trainer.rollout.collector import sharded_forward
 
     def collector(zero_stage, mode, fsdp=False):
-        args = SimpleNamespace(max_turns=2, history_length=1, rollout_batch_size=0, require_think=False,
-                               action_key_tokens=0, rollout_mode=mode)
+        settings = RolloutSettings(max_turns=2, history_length=1, mode=mode)
         plugin = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
         accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
-        return RolloutCollector(None, source, args, accelerator, sharded=sharded_forward(accelerator, fsdp))
+        return RolloutCollector(None, source, settings, accelerator, sharded=sharded_forward(accelerator, fsdp))
 
     source = SimpleNamespace(env_class=None)
     for zero_stage, fsdp in ((3, False), (0, True)):

@@ -249,11 +249,12 @@ def test_the_collector_streams_continuous_on_vllm_server_and_on_colocate_without
         policy = TRLPolicy(TRLGeneration(  # TRL's generation as the trainer hands it over; nothing here generates
             generate_single_turn=None, tokenize_prompts=None, tokenizer=SimpleNamespace(pad_token_id=0),
             processing_class=None, model=lambda: SimpleNamespace(training=True), model_wrapped=lambda: None,
-            unwrap=lambda model: model, accelerator=accelerator, args=args, generation_config=None, generation_kwargs={},
+            accelerator=accelerator, args=args, generation_config=None, generation_kwargs={},
             eos_token_ids=[1], step=lambda: 0, loaded_step=lambda step: 0, summon_full_params=None, profile=None,
             vllm_generation=generation if use_vllm else None,
         ))
-        return RolloutCollector(policy, SimpleNamespace(env_class=None), args, accelerator)
+        settings = RolloutSettings(max_turns=2, history_length=1, mode=mode)
+        return RolloutCollector(policy, SimpleNamespace(env_class=None), settings, accelerator)
 
     for vllm_mode, engine in (("colocate", EngineStream), ("server", ServerStream)):
         streamed = collector("continuous", vllm_mode=vllm_mode)

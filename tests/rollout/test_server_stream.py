@@ -229,7 +229,7 @@ def fake_policy(client, num_processes=1, global_step=0, last_loaded=-1):
 
     trl = TRLGeneration(
         generate_single_turn=None, tokenize_prompts=tokenize, tokenizer=SimpleNamespace(pad_token_id=0),
-        processing_class=Tokenizer(), model=None, model_wrapped=None, unwrap=None, accelerator=accelerator,
+        processing_class=Tokenizer(), model=None, model_wrapped=None, accelerator=accelerator,
         args=SimpleNamespace(seed=7, report_to=[], per_device_train_batch_size=4, vllm_mode="server"),
         generation_config=None, generation_kwargs={}, eos_token_ids=[0], step=lambda: global_step,
         loaded_step=loaded_step, summon_full_params=None, profile=lambda name: contextlib.nullcontext(),

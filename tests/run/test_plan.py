@@ -4,13 +4,16 @@ and writes nothing into the caller's config, so two trainers built from one conf
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 from datasets import Dataset
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer
 from bipace_trainer.config import FIELD_GROUPS
-from bipace_trainer.run.plan import derive_plan, one_step_settings
+from bipace_trainer.advantages import EstimatorSettings
+from bipace_trainer.rollout.loop import EnvSpec, RolloutSettings
+from bipace_trainer.run.plan import derive_plan, env_spec, one_step_settings, rollout_settings
 from tests.trainer.tiny_setup import make_model, make_tokenizer, tiny_args
 
 
@@ -38,6 +41,10 @@ def test_two_trainers_built_from_one_config_are_independent_and_the_config_is_un
         assert first.plan == second.plan and first.plan is not second.plan
         assert first.plan.hidden.source == "prefill" and first.plan.cluster_layer == -2
         assert first.collector is not second.collector and first.estimator is not second.estimator
+        # the rollout is built from the plan's values (`RolloutSettings`, `EnvSpec`), the env's prompt filled in
+        settings = first.collector.settings
+        assert dataclasses.replace(settings, instruction="", invalid_action="look") == first.plan.rollout
+        assert first.collector.source.env == first.plan.env == env_spec(args)
         with pytest.raises(AttributeError):  # frozen: a plan is derived, never edited
             first.plan.one_step = True
     finally:
@@ -67,3 +74,34 @@ def test_the_plan_reads_the_config_and_the_model_only(tiny_policy, tmp_path):
     assert (plan.hidden.source, plan.cluster_layer, args.cluster_layer) == ("old_logprobs", -2, -8)
     assert derive_plan(args, one_step=False, model=model, use_vllm=False).hidden.source == "prefill"
     assert derive_plan(tiny_args(tmp_path, preset="gigpo"), one_step=False, model=model, use_vllm=False).hidden.source == "none"
+
+
+# RolloutSettings / EnvSpec field -> the config field it is read from (`run.plan.rollout_settings`, `env_spec`)
+ROLLOUT_FIELDS = {
+    "max_turns": "max_turns", "history_length": "history_length", "rollout_batch_size": "rollout_batch_size",
+    "require_think": "require_think", "action_key_tokens": "action_key_tokens", "mode": "rollout_mode",
+    "eval_tasks": "eval_tasks", "eval_rollouts_per_task": "eval_rollouts_per_task", "tool_errors": "tool_errors",
+    "rollout_dump_steps": "rollout_dump_steps",
+}  # fmt: skip
+ENV_FIELDS = {"train_split": "train_split", "eval_split": "eval_split", "backend": "env_backend", "workers": "env_workers",
+              "step_timeout": "env_step_timeout"}  # fmt: skip
+
+
+def _values(value, fields) -> dict:
+    return {ours: getattr(value, ours) for ours in fields}
+
+
+def test_the_rollout_values_are_read_from_the_config_and_default_as_it_does(tmp_path):
+    # bipace-eval leaves what it has no flag for at these defaults: they must be the config's
+    config_defaults = {f.name: f.default for f in dataclasses.fields(BiPACEConfig)}
+    for value, fields in ((RolloutSettings(), ROLLOUT_FIELDS), (EnvSpec(), ENV_FIELDS)):
+        assert _values(value, fields) == {ours: config_defaults[theirs] for ours, theirs in fields.items()}
+    estimator, settings = EstimatorSettings(), RolloutSettings()
+    assert (settings.step_gamma, settings.invalid_action_penalty) == (estimator.step_gamma, estimator.invalid_action_penalty)
+    args = tiny_args(tmp_path, preset="gigpo", max_turns=4, history_length=3, rollout_mode="continuous", eval_tasks=5,
+                     rollout_dump_steps=2, env_step_timeout=9.0, env_kwargs={"size": 4})  # fmt: skip
+    settings, env = rollout_settings(args), env_spec(args)
+    assert _values(settings, ROLLOUT_FIELDS) == {ours: getattr(args, theirs) for ours, theirs in ROLLOUT_FIELDS.items()}
+    assert _values(env, ENV_FIELDS) == {ours: getattr(args, theirs) for ours, theirs in ENV_FIELDS.items()}
+    assert (env.name, env.kwargs, settings.output_dir) == (args.env_name, args.env_kwargs, args.output_dir)
+    assert (settings.step_gamma, settings.rollout_needs) == (args.estimator.step_gamma, args.estimator.rollout_needs)

@@ -34,11 +34,23 @@ def _played(collector, panel, temperature: float):
     return [(s.traj, s.t, s.prompt_ids, s.completion_ids, s.reply) for s in rollout.steps]
 
 
+def _trainer_config(settings, output_dir: Path):
+    """A training run's config with the evaluation's values (`bipace-eval` itself builds none)."""
+    from bipace_trainer import BiPACEConfig
+
+    return BiPACEConfig(
+        output_dir=str(output_dir), env_name=settings.env, env_kwargs=settings.env_kwargs, max_turns=settings.max_turns,
+        history_length=settings.history_length, max_completion_length=settings.max_completion_length,
+        eval_split="valid", rollout_batch_size=settings.rollout_batch_size, preset="grpo", num_generations=2,
+        per_device_train_batch_size=2, max_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        seed=settings.seeds[0], use_cpu=True, bf16=False,
+    )  # fmt: skip
+
+
 def test_a_plain_models_policy_plays_what_the_trainers_policy_plays(raw_tiny_dir, tmp_path):
     settings = evaluate.parse_args([str(raw_tiny_dir), *FLAGS, "--output_dir", str(tmp_path)])
-    config = evaluate._eval_config(settings, tmp_path / "trainer", "valid")
-    trainer = BiPACETrainer(model=str(raw_tiny_dir), args=config)
-    plain = evaluate.ModelEvaluation(evaluate.resolve_model(str(raw_tiny_dir)), evaluate._eval_config(settings, tmp_path / "plain", "valid"))
+    trainer = BiPACETrainer(model=str(raw_tiny_dir), args=_trainer_config(settings, tmp_path / "trainer"))
+    plain = evaluate.ModelEvaluation(evaluate.resolve_model(str(raw_tiny_dir)), settings, tmp_path / "plain", "valid")
     try:
         assert isinstance(plain.policy, ModelPolicy) and not isinstance(plain.policy, type(trainer.policy))
         assert plain.policy.eos_token_ids == trainer.eos_token_ids
@@ -53,11 +65,17 @@ def test_a_plain_models_policy_plays_what_the_trainers_policy_plays(raw_tiny_dir
         plain.close()
 
 
-def test_bipace_eval_builds_no_trainer(raw_tiny_dir, tmp_path, monkeypatch):
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("bipace-eval built a trainer")
+def test_bipace_eval_builds_no_trainer_and_no_config(raw_tiny_dir, tmp_path, monkeypatch):
+    from trl import GRPOConfig
 
-    monkeypatch.setattr(GRPOTrainer, "__init__", refuse)
+    def refuse(what):
+        def refused(self, *args, **kwargs):
+            raise AssertionError(f"bipace-eval built a {what}")
+
+        return refused
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", refuse("trainer"))
+    monkeypatch.setattr(GRPOConfig, "__post_init__", refuse("training config"))  # BiPACEConfig's runs through it
     settings = evaluate.parse_args([str(raw_tiny_dir), *FLAGS, "--output_dir", str(tmp_path)])
     result = evaluate.run(settings, progress=lambda line: None)
     overall = result["models"][0]["splits"]["valid"]["overall"]
@@ -73,8 +91,8 @@ def test_the_plain_policy_fits_long_prompts_to_the_context(raw_tiny_dir):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(raw_tiny_dir), load_tokenizer(raw_tiny_dir)
     context = model.config.max_position_embeddings
     settings = evaluate.parse_args([str(raw_tiny_dir), *FLAGS])
-    config = evaluate._eval_config(settings, Path("unused"), "valid")
-    policy = ModelPolicy(model, tokenizer, generation_config_for(config, tokenizer, [tokenizer.eos_token_id]), 12)
+    config = generation_config_for(evaluate.run_values(settings), tokenizer, [tokenizer.eos_token_id], max_new_tokens=12)
+    policy = ModelPolicy(model, tokenizer, config, 12)
     long = [[{"role": "user", "content": "go left " * context}]]
     (ids,) = policy.tokenize(long)
     whole = tokenizer.apply_chat_template(long[0], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

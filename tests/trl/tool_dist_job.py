@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bipace_trainer import BiPACEConfig, BiPACETrainer  # noqa: E402
 from bipace_trainer.models import load_tokenizer  # noqa: E402
+from bipace_trainer.run.evaluation import play_evaluation  # noqa: E402
 from envs import as_trl_environment, trl_task_dataset  # noqa: E402
 from tests.trl.tool_model import TINY_KWARGS  # noqa: E402
 
@@ -66,8 +67,11 @@ def main():
         environment_factory=as_trl_environment("tiny", **TINY_KWARGS), reward_funcs=fewer_turns,
     )
     trainer.train()
-    trainer.args.eval_tasks = 1  # one task on two ranks: rank 1 plays none and must not wait on rank 0's rewards
-    one_task = trainer.evaluate_policy(tag="one_task")
+    # one task on two ranks: rank 1 plays none and must not wait on rank 0's rewards (the rollout's settings are
+    # values fixed when the trainer was built, so the panel is cut here rather than by changing eval_tasks)
+    one_task = play_evaluation(trainer.collector, trainer.eval_task_refs()[:1], temperature=args.eval_temperature,
+                               step=trainer.state.global_step, tag="one_task", split=args.eval_split, seed=args.seed,
+                               model=trainer.model)
     trainer.close_envs()
     rank = trainer.accelerator.process_index
     result = {
@@ -77,7 +81,7 @@ def main():
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None,
         "global_step": trainer.state.global_step,
         "rollouts": RecordingTrainer.records,
-        "final_eval": trainer.eval_history[-2] if len(trainer.eval_history) > 1 else None,
+        "final_eval": trainer.eval_history[-1] if trainer.eval_history else None,
         "one_task_eval": one_task,
     }
     Path(cli.out, f"rank{rank}.json").write_text(json.dumps(result))
