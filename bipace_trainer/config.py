@@ -194,11 +194,12 @@ class BiPACEConfig(EstimatorOverrides, GRPOConfig):
         passes) compute a token prefix that rows share once (`update/shared_prefix.py`): a task group's
         common prompt, and an episode whose turns each extend the one before as one sequence. The
         same log-probs, entropies, loss, gradients and logged metrics as TRL's row-by-row forward under
-        every loss setting, checked against it on the first packed forward; not under dropout (LoRA's
-        `lora_dropout` included: one mask per shared prefix, not per row); rows are packed only where
+        every loss setting, checked against it on the first packed forward; rows are packed only where
         a cost model says that forwards fewer FLOPs within the plain path's peak memory. Off (logged
-        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP, and for the update's
-        forward under `top_entropy_quantile` < 1 (its threshold ties break on float rounding). See
+        once) under flash attention, sliding-window layers, ZeRO-3 and FSDP, for a model that trains
+        with dropout (LoRA's `lora_dropout` included: one mask per shared prefix is not one per row;
+        `disable_dropout=True` keeps it on), and for the update's forward under
+        `top_entropy_quantile` < 1 (its threshold ties break on float rounding). See
         docs/performance.md.
     resample_without_signal (`int`, 0): dynamic sampling (DAPO's, per generation): a generation in
         which every advantage is 0 on every rank (all rollouts of every group won, or all lost)

@@ -83,6 +83,10 @@ MAIN_JOB_DEFAULTS = dict(
     lora_alpha=32,
     lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
     warm_start_from=SHIPPED_WARM_START,
+    # The shipped adapter has lora_dropout 0.05; off in RL, so the old and the new log-probs come from the same
+    # function (the clipped ratio sees the update, not dropout noise), and shared_prefix stays exact and on
+    # (with dropout it turns itself off: one mask per shared prefix is not one per row).
+    disable_dropout=True,
     learning_rate=5e-4,
     max_steps=3,
     tasks_per_iteration=1,

@@ -66,7 +66,9 @@ turns the feature off with a warning, so a model whose attention cannot take the
 it. Which rows go together never depends on whether that check has run yet in this process, so a resumed
 run cuts the same pieces as the run it continues (tests/reliability/test_interruption.py); were the check
 to fail on an update piece cut for packing, that one piece is forwarded plain with its extra rows. It is off, with the reason logged once, for attention that takes no custom mask (flash attention),
-sliding-window layers, ZeRO-3 and FSDP (not verified equal), MoE auxiliary losses and vision inputs,
+sliding-window layers, ZeRO-3 and FSDP (not verified equal), a model that trains with dropout
+(`active_dropout`: the packed forward would draw one mask for a shared prefix where the plain path draws one
+per row; TRL's `disable_dropout=True` keeps the feature on), MoE auxiliary losses and vision inputs,
 and the pass that captures hidden states by position (vLLM with a `hidden` preset). See
 docs/performance.md for the measured gain.
 """
@@ -85,7 +87,7 @@ from . import packed_attention
 from .packed_attention import Cluster, SegmentLayout
 
 __all__ = ["SharedPrefixForward", "Plan", "plan_layout", "plan_rows", "packed_logps", "ModelShape", "Cost",
-           "plain_cost", "packed_cost", "worth_packing", "group_rows"]
+           "plain_cost", "packed_cost", "worth_packing", "group_rows", "active_dropout"]
 
 logger = logging.getLogger(__name__)
 
@@ -737,4 +739,28 @@ def off_reason(trainer) -> str | None:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if (plugin is not None and plugin.zero_stage == 3) or getattr(trainer, "is_fsdp_enabled", False):
         return "ZeRO-3 and FSDP are not verified equal to the plain path (docs/performance.md)"
+    dropout = active_dropout(trainer.accelerator.unwrap_model(trainer.model))
+    if dropout:
+        return ("the model trains with dropout, and the packed forward would draw one mask for a prefix its rows "
+                "share where the plain path draws one per row, so its gradients would not be the plain path's; to "
+                "keep it on: " + "; ".join(dropout))
     return None
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """What in `model` drops activations in training, each with how to turn it off (empty for nothing):
+    dropout modules with p > 0 (LoRA's `lora_dropout` among them) and the attention's `attention_dropout`."""
+    said = []
+    modules = [(name, module.p) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0]
+    if modules:
+        said.append(f"{len(modules)} dropout module{'s' * (len(modules) > 1)} (p up to "
+                    f"{max(p for _, p in modules):g}, e.g. {modules[0][0]}): set disable_dropout=True (TRL's flag; "
+                    "it zeroes lora_dropout's too)")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    attention = getattr(text, "attention_dropout", 0.0)
+    if isinstance(attention, (int, float)) and attention > 0:
+        said.append(f"attention_dropout={attention:g} in the model's config: load it with attention_dropout=0 "
+                    "(model_init_kwargs)")
+    return said

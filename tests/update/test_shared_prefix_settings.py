@@ -94,17 +94,20 @@ BATCHES = {"tiny_env": env_steps, "tool_env": tool_steps}
 _STEPS: dict = {}
 
 
-def make_trainer(tmp_path, shared: bool, overrides: dict, batch: str) -> BiPACETrainer:
+def make_trainer(tmp_path, shared: bool, overrides: dict, batch: str, lora_dropout: float | None = None,
+                 attention_dropout: float = 0.0) -> BiPACETrainer:
     from peft import LoraConfig
 
     args = tiny_args(tmp_path / ("on" if shared else "off"), shared_prefix=shared, per_device_train_batch_size=2,
                      gradient_accumulation_steps=1, **{"beta": 0.0, **overrides})
-    # with a KL term, LoRA: the reference is the model with its adapter off (no second model to load)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    # with a KL term (or a `lora_dropout`), LoRA: the reference is the model with its adapter off
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=lora_dropout or 0.0, init_lora_weights=False)
     from tests.trainer import tool_setup
 
     model = make_model(tokenizer(batch), seed=0) if batch == "tiny_env" else tool_setup.make_model(tokenizer(batch))
-    trainer = BiPACETrainer(model=model, args=args, processing_class=tokenizer(batch), peft_config=lora if args.beta else None)
+    model.config.attention_dropout = attention_dropout
+    peft = lora if args.beta or lora_dropout is not None else None
+    trainer = BiPACETrainer(model=model, args=args, processing_class=tokenizer(batch), peft_config=peft)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
     return trainer
@@ -172,6 +175,45 @@ def test_every_loss_setting_equals_the_plain_path(tmp_path, setting, batch, capl
         for name in off_grads:
             torch.testing.assert_close(on_grads[name], off_grads[name], rtol=RTOL, atol=ATOL, msg=name)
         assert on_metrics.keys() == off_metrics.keys() and "entropy" in on_metrics
+        for key in off_metrics:
+            torch.testing.assert_close(torch.tensor(on_metrics[key]), torch.tensor(off_metrics[key]), rtol=RTOL,
+                                       atol=ATOL, equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("dropout", ["lora_dropout", "attention_dropout"])
+def test_a_model_that_trains_with_dropout_runs_the_plain_path(tmp_path, dropout, caplog):
+    """Under dropout the packed forward would draw one mask for a prefix its rows share, where the plain path
+    draws one per row (measured on this batch: gradients 5.8e-3 apart at lora_dropout 0.05), so the feature is
+    off, with the reason and the fix logged."""
+    kwargs = {"lora_dropout": 0.05} if dropout == "lora_dropout" else {"attention_dropout": 0.1}
+    with caplog.at_level("WARNING", logger="bipace_trainer.update.shared_prefix"):
+        trainer = make_trainer(tmp_path, True, {}, "tiny_env", **kwargs)
+    assert trainer.shared_prefix is None
+    said = caplog.text
+    assert "shared_prefix is off: the model trains with dropout" in said
+    if dropout == "lora_dropout":
+        assert "p up to 0.05" in said and "lora_dropout" in said and "set disable_dropout=True" in said
+        assert "attention_dropout" not in said
+    else:
+        assert "attention_dropout=0.1 in the model's config: load it with attention_dropout=0" in said
+        assert "dropout module" not in said and "disable_dropout" not in said
+
+
+def test_disable_dropout_keeps_it_on_and_equal_to_the_plain_path(tmp_path, caplog):
+    """TRL's `disable_dropout` zeroes LoRA's dropout modules too: the feature stays on and the update is the
+    plain path's (two updates, loss, gradients and logged metrics)."""
+    steps = _STEPS.get("tiny_env") or _STEPS.setdefault("tiny_env", env_steps())
+    trainers = {shared: make_trainer(tmp_path, shared, {"disable_dropout": True}, "tiny_env", lora_dropout=0.05)
+                for shared in (False, True)}
+    assert trainers[True].shared_prefix is not None and trainers[True].shared_prefix.enabled
+    off, on = (two_updates(trainers[shared], micro_batch(trainers[shared], steps, "dapo"), "dapo")
+               for shared in (False, True))
+    assert trainers[True].shared_prefix.stats["packed_forwards"] > 0
+    for (on_loss, on_grads, on_metrics), (off_loss, off_grads, off_metrics) in zip(on, off):
+        assert on_loss == pytest.approx(off_loss, rel=RTOL, abs=ATOL)
+        assert on_grads.keys() == off_grads.keys() and any("lora" in name for name in on_grads)
+        for name in off_grads:
+            torch.testing.assert_close(on_grads[name], off_grads[name], rtol=RTOL, atol=ATOL, msg=name)
         for key in off_metrics:
             torch.testing.assert_close(torch.tensor(on_metrics[key]), torch.tensor(off_metrics[key]), rtol=RTOL,
                                        atol=ATOL, equal_nan=True, msg=key)
