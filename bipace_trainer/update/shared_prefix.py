@@ -95,6 +95,9 @@ logger = logging.getLogger(__name__)
 _BLOCK = 1 << 20
 # How each attention implementation sees a packed row's clusters; anything else runs the plain path.
 _ATTENTION = {"sdpa": "segments", "eager": "additive"}
+# torch's dropout modules (LoRA's `lora_dropout` is a `Dropout`): `active_dropout`
+_DROPOUT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
 # The inputs of TRL's loss that go to a vision model's forward (`GRPOTrainer._compute_loss`): none is packed.
 _VISION_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -752,7 +755,7 @@ def active_dropout(model: torch.nn.Module) -> list[str]:
     dropout modules with p > 0 (LoRA's `lora_dropout` among them) and the attention's `attention_dropout`."""
     said = []
     modules = [(name, module.p) for name, module in model.named_modules()
-               if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0]
+               if isinstance(module, _DROPOUT) and module.p > 0]
     if modules:
         said.append(f"{len(modules)} dropout module{'s' * (len(modules) > 1)} (p up to "
                     f"{max(p for _, p in modules):g}, e.g. {modules[0][0]}): set disable_dropout=True (TRL's flag; "
