@@ -758,8 +758,8 @@ def active_dropout(model: torch.nn.Module) -> list[str]:
                if isinstance(module, _DROPOUT) and module.p > 0]
     if modules:
         said.append(f"{len(modules)} dropout module{'s' * (len(modules) > 1)} (p up to "
-                    f"{max(p for _, p in modules):g}, e.g. {modules[0][0]}): set disable_dropout=True (TRL's flag; "
-                    "it zeroes lora_dropout's too)")
+                    f"{max(p for _, p in modules):g}, e.g. {modules[0][0]}): set disable_dropout=True (TRL's flag, "
+                    "which zeroes LoRA's dropout too)")
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     attention = getattr(text, "attention_dropout", 0.0)
