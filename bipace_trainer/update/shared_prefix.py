@@ -729,7 +729,8 @@ def _unsort(parts, rows: int, compute_entropy: bool) -> tuple[torch.Tensor, torc
 
 def off_reason(trainer) -> str | None:
     """Why the shared-prefix forward cannot run for this trainer, or None."""
-    config = trainer.accelerator.unwrap_model(trainer.model).config
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in _ATTENTION:
         return (f"attention implementation {implementation!r} takes no custom mask (use sdpa or eager, "
@@ -742,7 +743,7 @@ def off_reason(trainer) -> str | None:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if (plugin is not None and plugin.zero_stage == 3) or getattr(trainer, "is_fsdp_enabled", False):
         return "ZeRO-3 and FSDP are not verified equal to the plain path (docs/performance.md)"
-    dropout = active_dropout(trainer.accelerator.unwrap_model(trainer.model))
+    dropout = active_dropout(model)
     if dropout:
         return ("the model trains with dropout, and the packed forward would draw one mask for a prefix its rows "
                 "share where the plain path draws one per row, so its gradients would not be the plain path's; to "
